@@ -1,0 +1,38 @@
+# glm53 megatron-core patch series. `make wheel`, `make test`; `make help` lists the rest.
+SHELL := bash
+.DEFAULT_GOAL := help
+PY := .venv/bin/python
+PYTEST := $(PY) -m pytest
+
+.PHONY: help venv tree wheel test test-gpu bench test-upstream refresh check-patches rebase clean
+
+help:
+	@echo "make wheel          build dist/megatron_core-<pin>+<label>-cp312-*.whl (pinned upstream + patches/)"
+	@echo "make test           CPU test suite (series integrity, GLM-5.3 hook cases, numerics, wheel)"
+	@echo "make test-gpu       GPU tests against the built wheel (needs CUDA + TileLang)"
+	@echo "make bench          H200 benchmark -> reports/h200-bench.*"
+	@echo "make test-upstream  Megatron-LM's own tests for this code on the patched tree (needs upstream/)"
+	@echo "make rebase TO=..   move the pin to a megatron-core version or Megatron-LM git ref"
+	@echo "make refresh        re-export patches/ with stable quilt output"
+	@echo "make check-patches  dry-run the series against the pin (fuzz 0, no offset)"
+
+venv:
+	bash scripts/setup_venv.sh
+
+tree: venv
+	bash scripts/prepare_tree.sh
+
+wheel: tree
+	bash scripts/build_wheel.sh
+
+test: wheel
+	$(PYTEST) tests -m "not gpu"
+
+refresh: venv
+	bash scripts/refresh_patches.sh
+
+check-patches: venv
+	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && bash scripts/pristine_tree.sh "$$d/t" >/dev/null && bash scripts/apply_patches.sh --check "$$d/t"
+
+clean:
+	rm -rf build dist

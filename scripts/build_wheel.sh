@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# build_wheel.sh: dist/megatron_core-<pin>+<label>-cp312-*.whl from build/tree (the patched tree).
+# The copy it builds from gets two stamps, nothing else: the PEP 440 local label in
+# package_info.py and megatron/core/glm53_patches.py, the manifest of applied patches.
+# Reproducible: fixed SOURCE_DATE_EPOCH, source paths mapped out of the C++ extension.
+. "$(dirname "$0")/lib.sh"
+py=$VENV/bin/python
+[ -x "$py" ] || die "no virtual environment at $VENV: run 'make venv' first"
+[ -d "$BUILD/tree/megatron/core" ] || die "no patched tree at $BUILD/tree: run scripts/prepare_tree.sh"
+src=$BUILD/wheel-src
+out=$BUILD/wheel-out
+rm -rf "$src" "$out"
+cp -a "$BUILD/tree" "$src"
+
+"$py" - "$src" "$LOCAL_LABEL" "$MCORE_VERSION" "$PATCHES" <<'PY'
+import hashlib, pathlib, sys
+src, label, base, patches = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
+info = src / "megatron/core/package_info.py"
+text = info.read_text()
+for old, new in [
+    ("__version__ = '.'.join(map(str, VERSION[:3])) + ''.join(VERSION[3:])\n",
+     f"__version__ = '.'.join(map(str, VERSION[:3])) + ''.join(VERSION[3:]) + '+{label}'\n"),
+    # the version names the patch series; a git hash appended at import would make it invalid
+    ("if not int(_os.getenv('NO_VCS_VERSION', '0')):\n",
+     "if False:  # glm53 patched build: the local label replaces the VCS suffix\n"),
+]:
+    if text.count(old) != 1:
+        sys.exit(f"error: package_info.py no longer has the line the version stamp expects: {old!r}")
+    text = text.replace(old, new)
+info.write_text(text)
+series = [l.split(" #")[0].strip() for l in (patches / "series").read_text().splitlines()]
+series = [l for l in series if l and not l.startswith("#")]
+rows = "".join(
+    f"    ({name!r}, {hashlib.sha256((patches / name).read_bytes()).hexdigest()!r}),\n" for name in series
+)
+(src / "megatron/core/glm53_patches.py").write_text(
+    '"""Patches applied to this megatron-core build (written by the glm53 patch series build)."""\n\n'
+    f"BASE_VERSION = {base!r}\nLOCAL_LABEL = {label!r}\n"
+    "# (file name, sha256 of the patch file), in the order applied\n"
+    f"PATCHES = (\n{rows})\n"
+)
+PY
+
+note "building the wheel (setuptools, no build isolation; compiles megatron.core.datasets.helpers_cpp)"
+(cd "$src" && SOURCE_DATE_EPOCH=315532800 NO_VCS_VERSION=1 \
+  CFLAGS="-ffile-prefix-map=$src=." CXXFLAGS="-ffile-prefix-map=$src=." \
+  "$py" -m pip wheel --quiet --no-deps --no-build-isolation --disable-pip-version-check -w "$out" . >&2) ||
+  die "building the wheel failed"
+whl=$(ls "$out"/megatron_core-*.whl)
+mkdir -p "$DIST"
+rm -f "$DIST"/megatron_core-*.whl
+cp "$whl" "$ROOT/dist/"
+note "built dist/$(basename "$whl") (sha256 $(sha256_of "$whl"))"
+echo "$DIST/$(basename "$whl")"
