@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # apply_patches.sh [--check] [--reverse] DIR: apply patches/series to DIR with GNU patch the way
 # dpkg does: -F0 (no fuzz), -N, and any hunk that lands at an offset is an error too.
+# Patches that touch only tests/ (upstream's own tests, git channel) are skipped where DIR has none.
 #   --check    dry run on a scratch copy; DIR is not touched
 #   --reverse  unapply, last patch first
 . "$(dirname "$0")/lib.sh"
@@ -24,6 +25,11 @@ if [ "$reverse" = 1 ]; then
 fi
 for p in "${list[@]}"; do
   [ -f "$PATCHES/$p" ] || die "patches/series names $p, which is not in patches/"
+  # A patch that only touches upstream's tests/ (git channel only) applies where tests/ exists.
+  if [ ! -d "$dir/tests" ] && ! grep -E '^\+\+\+ b/' "$PATCHES/$p" | grep -qv '^+++ b/tests/'; then
+    echo "skipped $p (tests only; this tree has no tests/)"
+    continue
+  fi
   args=(-d "$dir" -p1 -F0 -N -t -u -V never --no-backup-if-mismatch -r - -i "$PATCHES/$p")
   [ "$reverse" = 1 ] && args=(-R "${args[@]}")
   if ! out=$(patch "${args[@]}" 2>&1); then
