@@ -49,6 +49,6 @@ note "building the wheel (setuptools, no build isolation; compiles megatron.core
 whl=$(ls "$out"/megatron_core-*.whl)
 mkdir -p "$DIST"
 rm -f "$DIST"/megatron_core-*.whl
-cp "$whl" "$ROOT/dist/"
-note "built dist/$(basename "$whl") (sha256 $(sha256_of "$whl"))"
+cp "$whl" "$DIST/"
+note "built $DIST/$(basename "$whl") (sha256 $(sha256_of "$whl"))"
 echo "$DIST/$(basename "$whl")"

@@ -27,7 +27,7 @@ export QUILT_DIFF_OPTS="--show-c-function"
 quilt() { command quilt --quiltrc - "$@"; }
 
 need_quilt() {
-  command -v quilt >/dev/null 2>&1 ||
+  type -P quilt >/dev/null 2>&1 ||
     die "quilt not found. Install it from Debian's packages: apt-get update && apt-get install -y quilt"
 }
 need_patch() {

@@ -1,0 +1,53 @@
+"""Run the project's scripts from tests, with environment overrides."""
+import hashlib
+import os
+import pathlib
+import stat
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def script(name, *args, env=None, check=False, cwd=None):
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / name), *map(str, args)],
+        env=full_env, cwd=cwd, capture_output=True, text=True,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def tree_digest(root):
+    """{relative path: (mode, sha256)} for every file under root."""
+    root = pathlib.Path(root)
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and ".pc" not in p.relative_to(root).parts:
+            mode = stat.S_IMODE(p.stat().st_mode)
+            out[str(p.relative_to(root))] = (oct(mode), hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def series():
+    lines = (ROOT / "patches" / "series").read_text().splitlines()
+    names = [l.split(" #")[0].strip() for l in lines]
+    return [n for n in names if n and not n.startswith("#")]
+
+
+def pin():
+    vals = {}
+    for line in (ROOT / "pin.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            vals[k] = v
+    return vals
+
+
+def submodule_filled():
+    return (ROOT / "upstream" / ".git").exists() and subprocess.run(
+        ["git", "-C", str(ROOT / "upstream"), "rev-parse", "HEAD"], capture_output=True
+    ).returncode == 0
