@@ -26,7 +26,14 @@ wheel: tree
 	bash scripts/build_wheel.sh
 
 test: wheel
-	$(PYTEST) tests -m "not gpu"
+	$(PYTEST) tests
+
+# On a CUDA host with the wheel built (dist/): GPU tests / benchmark against the installed wheel.
+test-gpu:
+	bash scripts/gpu_run.sh tests reports/gpu-run
+
+bench:
+	bash scripts/gpu_run.sh bench reports/gpu-run
 
 refresh: venv
 	bash scripts/refresh_patches.sh

@@ -88,7 +88,8 @@ def kpool_indices(sq, generator, width=KPOOL_WIDTH, topk_tokens=TOPK_TOKENS, poo
     npools_max = (sq + pool - 1) // pool
     for r0 in range(0, sq, chunk):
         r1 = min(sq, r0 + chunk)
-        scores = torch.rand((r1 - r0, npools_max), generator=generator, device="cpu").to(device)
+        scores = torch.rand((r1 - r0, npools_max), generator=generator, device=generator.device)
+        scores = scores.to(device)
         pools = torch.arange(npools_max, device=device)
         scores = scores.masked_fill(pools.unsqueeze(0) >= complete[r0:r1].unsqueeze(1), -1.0)
         k = min(npick, npools_max)

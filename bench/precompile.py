@@ -1,0 +1,62 @@
+"""Compile the TileLang SparseMLA kernels that the GPU tests and the benchmark use, in parallel
+processes, before they run: TileLang compiles each kernel shape once (~10-15 s) and caches it on
+disk, so the later runs load them. Each worker uses its own cache folder (no two processes write
+one entry); the folders are merged into TileLang's cache at the end."""
+import multiprocessing as mp
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+SCALE = 512 ** -0.5  # the scale the GPU tests and the benchmark use (kernels are keyed by it)
+# (kernel heads, q/k width, top-k width): 8 heads run as 16; 65/127/2051 are padded to 128/128/2112
+CONFIGS = [(h, w, t) for h in (16, 32, 64) for (w, t) in ((576, 64), (576, 128), (512, 2051), (576, 2048))]
+
+
+def work(args):
+    heads, width, topk, cache, route = args
+    os.environ["TILELANG_CACHE_DIR"] = cache
+    if route:
+        os.environ["MCORE_DSA_TILELANG_NOPE"] = route
+    import torch
+
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+    t0 = time.perf_counter()
+    s = 256
+    q = torch.randn(s, 1, heads, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(s, 1, 1, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.randint(0, s, (1, s, topk), device="cuda", dtype=torch.int32)
+    out = tilelang_dsa.fused_sparse_mla_absorbed(q, k, idx, SCALE, 512)
+    assert out is not None, (heads, width, topk)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    return f"heads {heads} width {width} topk {topk} route {route or '-'}: {time.perf_counter() - t0:.1f} s"
+
+
+def main():
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+    routes = ["padded", "native"] if getattr(tilelang_dsa, "NOPE_NATIVE_AVAILABLE", False) else [None]
+    jobs = []
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="tl-precompile-"))
+    for i, (h, w, t) in enumerate(CONFIGS):
+        for route in routes if w == 512 else [routes[0]]:
+            jobs.append((h, w, t, str(tmp / f"c{len(jobs)}"), route))
+    procs = min(len(jobs), max(1, (os.cpu_count() or 2) - 2))
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(procs) as pool:
+        for line in pool.imap_unordered(work, jobs):
+            print(line, flush=True)
+    dest = pathlib.Path(os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache")))
+    dest.mkdir(parents=True, exist_ok=True)
+    for c in tmp.iterdir():
+        shutil.copytree(c, dest, dirs_exist_ok=True)
+    shutil.rmtree(tmp)
+    print(f"precompiled {len(jobs)} configurations in {time.perf_counter() - t0:.0f} s with {procs} processes")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

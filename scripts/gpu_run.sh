@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# gpu_run.sh tests|bench|all OUTDIR: on a CUDA host, run the GPU tests and/or the benchmark against
+# the built wheel (dist/*.whl), installed with its patches into a scratch site folder (no deps: the
+# host's torch). TileLang comes from the environment or from .site/tilelang-site.tar.xz
+# (../shared/gpu/pack-tilelang-site.sh makes it); flash_mla (benchmark peer, optional) from .whl/.
+# Prints a one-line summary at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+out=${2:-reports/gpu-run}
+py=${PYTHON:-python3}
+site=${MCORE_SITE:-/tmp/mcore-site}
+mkdir -p "$out" "$site"
+whl=$(ls dist/megatron_core-*.whl 2>/dev/null | head -n 1)
+[ -n "$whl" ] || { echo "error: no wheel in dist/: run make wheel first" >&2; exit 1; }
+if ! "$py" -c "import tilelang" 2>/dev/null && [ -f .site/tilelang-site.tar.xz ]; then
+  tar -xJf .site/tilelang-site.tar.xz -C "$site"
+fi
+extra=$(ls .whl/*.whl 2>/dev/null || true)
+"$py" -m pip install --quiet --no-deps --no-index --disable-pip-version-check --target "$site" "$whl" $extra || exit 1
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} MCORE_FROM_INSTALLED=1 PYTHONUNBUFFERED=1
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  "$py" -c "import torch, tilelang; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'tilelang', tilelang.__version__)"
+  "$py" -c "import megatron.core as m, megatron.core.glm53_patches as p; print('megatron-core', m.__version__, [n for n, _ in p.PATCHES])"
+  "$py" -c "import flash_mla; print('flash_mla', flash_mla.__version__)" 2>&1 | tail -n 1
+} | tee "$out/env.txt"
+"$py" bench/precompile.py 2>&1 | tee "$out/precompile.log"
+rc=0 summary=""
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+  rc=${PIPESTATUS[0]}
+  summary="gpu tests: $(tail -n 1 "$out/gpu-tests.log")"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  "$py" bench/bench.py --out "$out" 2>&1 | tee "$out/bench.log" || rc=1
+  summary="$summary; bench: $(wc -l <"$out/h200-bench.jsonl" 2>/dev/null || echo 0) rows in $out"
+fi
+echo "SUMMARY: $summary (exit $rc)"
+exit $rc
