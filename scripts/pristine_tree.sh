@@ -14,7 +14,7 @@ py=$VENV/bin/python
 [ -x "$py" ] || die "no virtual environment at $VENV: run 'make venv' first"
 
 if [ "$channel" = auto ]; then
-  if submodule_filled; then channel=git; else channel=sdist; fi
+  if submodule_filled && [ -n "${MCORE_GIT_COMMIT:-}" ]; then channel=git; else channel=sdist; fi
 fi
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/mcore-pristine.XXXXXX")
@@ -22,9 +22,11 @@ trap 'rm -rf "$tmp"' EXIT
 
 case "$channel" in
   sdist)
+    [ -n "${MCORE_VERSION:-}" ] || die "the pin is git-only (no MCORE_VERSION in pin.env): fill upstream/ (git -c protocol.file.allow=always submodule update --init upstream)"
     sdist=$("$ROOT/scripts/fetch_sdist.sh")
     ;;
   git)
+    [ -n "${MCORE_GIT_COMMIT:-}" ] || die "CHANNEL=git but the pin is PyPI-only (no MCORE_GIT_COMMIT in pin.env)"
     submodule_filled ||
       die "CHANNEL=git but upstream/ is not filled: git -c protocol.file.allow=always submodule update --init upstream (see README)"
     link=$(gitlink_commit)
