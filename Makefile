@@ -12,7 +12,7 @@ help:
 	@echo "make test-gpu       GPU tests against the built wheel (needs CUDA + TileLang)"
 	@echo "make bench          H200 benchmark -> reports/h200-bench.*"
 	@echo "make test-upstream  Megatron-LM's own tests for this code on the patched tree (needs upstream/)"
-	@echo "make rebase TO=..   move the pin to a megatron-core version or Megatron-LM git ref"
+	@echo "make rebase TO=.. [DRY_RUN=1]  move the pin to a megatron-core version or Megatron-LM git ref"
 	@echo "make refresh        re-export patches/ with stable quilt output"
 	@echo "make check-patches  dry-run the series against the pin (fuzz 0, no offset)"
 
@@ -34,6 +34,12 @@ test-gpu:
 
 bench:
 	bash scripts/gpu_run.sh bench reports/gpu-run
+
+rebase: venv
+	bash scripts/rebase.sh "$(TO)"
+
+test-upstream: venv
+	bash scripts/test_upstream.sh
 
 refresh: venv
 	bash scripts/refresh_patches.sh

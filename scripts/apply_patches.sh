@@ -26,7 +26,7 @@ fi
 for p in "${list[@]}"; do
   [ -f "$PATCHES/$p" ] || die "patches/series names $p, which is not in patches/"
   # A patch that only touches upstream's tests/ (git channel only) applies where tests/ exists.
-  if [ ! -d "$dir/tests" ] && ! grep -E '^\+\+\+ b/' "$PATCHES/$p" | grep -qv '^+++ b/tests/'; then
+  if [ ! -d "$dir/tests" ] && tests_only "$PATCHES/$p"; then
     echo "skipped $p (tests only; this tree has no tests/)"
     continue
   fi

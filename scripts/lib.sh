@@ -56,6 +56,9 @@ find_python312() {
 # The patch series, in order: non-empty lines of patches/series without comments.
 series() { sed -e 's/[[:space:]]#.*//' -e 's/^#.*//' -e '/^[[:space:]]*$/d' "$PATCHES/series"; }
 
+# Does patch file $1 touch only upstream's tests/ (which only the git channel has)?
+tests_only() { ! grep -E '^\+\+\+ b/' "$1" | grep -qv '^+++ b/tests/'; }
+
 sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
 
 # The upstream/ submodule's gitlink as recorded in this repository's index (empty if none).

@@ -53,10 +53,14 @@ trap cleanup EXIT
 : >"$log"
 out() { printf '%s\n' "$*" | tee -a "$log"; }          # the table and results: stdout and the log
 info() { printf '%s\n' "$*" >>"$log"; printf '==> %s\n' "$*" >&2; }
-fail() { info "error: $*"; echo "error: $*" >&2; exit 1; }
+fail() { printf 'error: %s\n' "$*" | tee -a "$log" >&2; exit 1; }
 
-out "# make rebase TO=$to$([ "$dry" = 1 ] && echo ' DRY_RUN=1')   ($(date -u '+%F %T') UTC)"
-out "# command: $(printf '%q ' "$0" "$@")$([ "$dry" = 1 ] && echo '(DRY_RUN=1)')"
+envs=''
+for v in DRY_RUN SHA256 GIT REBASE_SDIST REBASE_DATE PATCHES PIN_FILE; do
+  [ -z "${!v:-}" ] || [ "$v:${!v}" = "PATCHES:$ROOT/patches" ] || [ "$v:${!v}" = "PIN_FILE:$ROOT/pin.env" ] ||
+    envs+="$v=${!v} "
+done
+out "# ${envs}scripts/rebase.sh $to   (make rebase TO=$to; $(date -u '+%F %T') UTC)"
 
 # The scripts read the pin from PIN_FILE; the new pin's pristine tree is built by the same
 # pristine_tree.sh from a shadow copy of scripts/ outside this repository, so its gitlink check
@@ -109,7 +113,7 @@ resolve_ref() {  # resolve_ref REF: print the commit, fetching REF from the upst
 }
 checkout_commit() {  # checkout_commit COMMIT DIR: a clean checkout of COMMIT at DIR (for pristine_tree.sh)
   gitq update-ref "refs/rebase/co-$1" "$1"
-  git -c protocol.file.allow=always clone -q --shared --no-checkout "$gitdir" "$2" 2>>"$log"
+  git -c protocol.file.allow=always clone -q --shared --no-checkout "$gitdir" "$2" 2> >(grep -v 'cloned an empty repository' >>"$log")
   git -C "$2" -c advice.detachedHead=false checkout -q --detach "$1"
 }
 
@@ -200,7 +204,7 @@ if [ "$kind" = pypi ]; then
     missing=$(helpers missing-blobs "$work/new" "$gitdir" | head -n 5)
     if [ -n "$missing" ]; then
       info "the $ver sdist has files whose exact content is in no commit of the local Megatron-LM history:"
-      info "$missing"
+      while read -r l; do info "  $l"; done <<<"$missing"
       git_note="$(helpers missing-blobs "$work/new" "$gitdir" | wc -l) of its megatron/ files are in no commit of the local Megatron-LM history"
     else
       # 1. the release tags and their parents; 2. commits of the release branch with this version
@@ -262,7 +266,8 @@ tree=$work/tree
 mv "$work/new" "$tree"
 tests_added=0
 needs_tests=0
-while read -r p; do helpers touches-tests "$PATCHES/$p" && needs_tests=1; done < <(series)
+mapfile -t plist < <(series)
+for p in "${plist[@]}"; do helpers touches-tests "$PATCHES/$p" && needs_tests=1; done
 if [ "$needs_tests" = 1 ] && [ -n "$new_commit" ]; then
   gitq archive "$new_commit" tests | tar -x -C "$tree"
   tests_added=1
@@ -293,7 +298,7 @@ rev_check() {
   patch -d "$1" --dry-run -R "${patch_args[@]}" -i "$2" 2>&1
 }
 probe=''
-while read -r p; do
+for p in "${plist[@]}"; do
   f=$wp/$p
   [ -f "$f" ] || fail "patches/series names $p, which is not in patches/"
   suffix=''
@@ -324,7 +329,7 @@ while read -r p; do
   case $verdict in
     clean | offset)
       echo "$p" >>"$QUILT_SERIES"
-      (cd "$tree" && quilt push -q) >>"$log" 2>&1 || fail "quilt push $p failed after a clean dry run (see $log)"
+      (cd "$tree" && quilt push -q </dev/null) >>"$log" 2>&1 || fail "quilt push $p failed after a clean dry run (see $log)"
       if [ "$verdict" = offset ]; then
         printf '%s\n' "--- $p: forward dry run (-F0):" "$o" >>"$log"
         (cd "$tree" && quilt refresh) >>"$log" 2>&1 || fail "quilt refresh $p failed (see $log)"
@@ -347,11 +352,11 @@ while read -r p; do
       fz=$(patch -d "$tree" --dry-run -N -p1 -F2 -t -u -V never -r - -i "$f" 2>&1) && hint="it would apply with fuzz 2 (the context changed near a hunk)" ||
         hint="$(grep -oE '[0-9]+ out of [0-9]+ hunks? FAILED' <<<"$fz" | sed 's/ FAILED/ fail/' | paste -sd, -) even with fuzz 2"
       echo "$p" >>"$QUILT_SERIES"
-      (cd "$tree" && quilt push -f -q) >>"$log" 2>&1 || true
+      (cd "$tree" && quilt push -f -q </dev/null) >>"$log" 2>&1 || true
       rows+=("$p|conflicts ($hint)")
       ;;
   esac
-done < <(series)
+done
 rm -rf "$probe"
 
 # ---- the table

@@ -1,6 +1,7 @@
 """Run the project's scripts from tests, with environment overrides."""
 import hashlib
 import os
+import re
 import pathlib
 import stat
 import subprocess
@@ -51,3 +52,9 @@ def submodule_filled():
     return (ROOT / "upstream" / ".git").exists() and subprocess.run(
         ["git", "-C", str(ROOT / "upstream"), "rev-parse", "HEAD"], capture_output=True
     ).returncode == 0
+
+
+def only_touches_tests(patch):
+    """Does the patch touch only upstream's tests/ (which only the git channel's tree has)?"""
+    paths = re.findall(r"^\+\+\+ b/(\S+)", pathlib.Path(patch).read_text(), re.M)
+    return all(p.startswith("tests/") for p in paths)

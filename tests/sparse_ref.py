@@ -1,8 +1,9 @@
 """Independent references for the tests: the SparseMLA kernel contract in plain PyTorch, and
 GLM-5.3-Flash's k-pool top-k indices.
 
-The kernel contract (TileLang SparseMLA in megatron-core 0.19): q [b, s, h, 576], kv [b, sk, 1, 576],
-indices [b, s, 1, K] int32 with K a multiple of 64; -1 entries are masked; the value is kv[..., :512];
+The kernel contract (TileLang SparseMLA in megatron-core 0.19 + patches 0030/0040): q [b, s, h, W],
+kv [b, sk, 1, W] with W = 576 (RoPE-tail kernels, K a multiple of 64) or W = 512 (native NoPE
+kernels, any K), indices [b, s, 1, K] int32; -1 entries are masked; the value is kv[..., :512];
 a row with no valid index gives zero output (and so zero gradient). Softmax runs over the K listed
 entries, unlike megatron's dense fallback, which masks a dense [sq, sk] row.
 """
@@ -47,8 +48,11 @@ class ReferenceSparseMLA:
     @staticmethod
     def apply(q, kv, indices, scaling):
         assert q.dtype == kv.dtype == torch.bfloat16
-        assert q.size(-1) == D_QK and kv.size(-1) == D_QK, "kernel takes the 576 layout only"
-        assert indices.dtype == torch.int32 and indices.size(-1) % 64 == 0
+        width = q.size(-1)
+        assert width in (D_QK, D_V) and kv.size(-1) == width, "kernels take width 576 or 512"
+        assert indices.dtype == torch.int32
+        if width == D_QK:
+            assert indices.size(-1) % 64 == 0, "the 576 kernels take top-k padded to 64"
         h = q.size(2)
         assert h >= 16 and h & (h - 1) == 0, "kernel head tile is a power of two >= 16"
         assert q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous()

@@ -1,7 +1,10 @@
 """GLM-5.3-Flash shapes through the hook DSAttention calls,
 dsa_kernels.run_fused_absorbed_sparse_attention, with a config that selects the tilelang backend.
 A recording stand-in for SparseMLA checks what the kernel receives; the output comes from the
-PyTorch reference of the kernel contract so gradients flow back through the padding."""
+PyTorch reference of the kernel contract so gradients flow back to the inputs.
+Width 576 goes to the RoPE-tail kernels with top-k padded with -1 to a multiple of 64. Width 512
+goes to the native NoPE kernels as is (0040: no 576 copy, no padded indices), or, with
+MCORE_DSA_TILELANG_NOPE=padded, through #7617's zero-padding to 576 (0010)."""
 import math
 
 import pytest
@@ -43,6 +46,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(tilelang_dsa, "SparseMLA", rec)
     monkeypatch.setattr(dsa_kernels, "_ABSORBED_FIRST_CALL_REPORTED", True)  # keep logs quiet
     monkeypatch.delenv("MCORE_DSA_REQUIRE_FUSED", raising=False)
+    monkeypatch.delenv("MCORE_DSA_TILELANG_NOPE", raising=False)
     return rec
 
 
@@ -63,8 +67,9 @@ HEADS = [8, 16, 32, 64]  # GLM-5.3-Flash's 64 DSA heads over TP 8, 4, 2, 1
 
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("topk", TOPKS)
-@pytest.mark.parametrize("width", WIDTHS)
-def test_kernel_receives_padded_layout_and_grads_reach_inputs(recorder, width, topk, heads):
+@pytest.mark.parametrize("width,route", [(512, "native"), (512, "padded"), (576, "native")])
+def test_kernel_receives_its_layout_and_grads_reach_inputs(recorder, monkeypatch, width, route, topk, heads):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", route)
     query, key, idx = make_inputs(width, topk, heads)
     q0, k0, i0 = query.detach().clone(), key.detach().clone(), idx.clone()
     scale = 0.0625 + 1e-3 * width  # any caller value: it must reach the kernel unchanged
@@ -76,19 +81,21 @@ def test_kernel_receives_padded_layout_and_grads_reach_inputs(recorder, width, t
     assert len(recorder.calls) == 1
     call = recorder.calls[0]
     kernel_heads = max(heads, 16)
-    padded_topk = math.ceil(topk / 64) * 64
+    native = width == 512 and route == "native"
+    kernel_width = 512 if native else D_QK
+    kernel_topk = topk if native else math.ceil(topk / 64) * 64
     q, kv, ind = call["q"], call["kv"], call["indices"]
-    assert q.shape == (1, query.size(0), kernel_heads, D_QK)
-    assert kv.shape == (1, key.size(0), 1, D_QK)
-    assert ind.shape == (1, query.size(0), 1, padded_topk) and ind.dtype == torch.int32
+    assert q.shape == (1, query.size(0), kernel_heads, kernel_width)
+    assert kv.shape == (1, key.size(0), 1, kernel_width)
+    assert ind.shape == (1, query.size(0), 1, kernel_topk) and ind.dtype == torch.int32
     # the caller's data, unchanged, in the first `width` channels of the real heads
     assert torch.equal(q[0, :, :heads, :width], q0[:, 0])
     assert torch.equal(kv[0, :, 0, :width], k0[:, 0, 0])
-    # zero RoPE slot (512 -> 576) and zero padded heads (< 16)
+    # zero RoPE slot where padded (512 -> 576) and zero padded heads (< 16)
     assert torch.count_nonzero(q[..., width:]) == 0
     assert torch.count_nonzero(kv[..., width:]) == 0
     assert torch.count_nonzero(q[:, :, heads:]) == 0
-    # indices: the caller's, then -1 sentinels up to the next multiple of 64
+    # indices: the caller's, then (576 layout) -1 sentinels up to the next multiple of 64
     assert torch.equal(ind[0, :, 0, :topk], i0[0].to(torch.int32))
     assert bool((ind[..., topk:] == -1).all())
     assert call["scaling"] == scale
@@ -101,6 +108,15 @@ def test_kernel_receives_padded_layout_and_grads_reach_inputs(recorder, width, t
         assert torch.count_nonzero(t.grad) > 0
     # inputs untouched, also after backward
     assert torch.equal(query.detach(), q0) and torch.equal(key.detach(), k0) and torch.equal(idx, i0)
+
+
+def test_native_route_is_the_default_for_nope(recorder):
+    query, key, idx = make_inputs(512, 2051, 16)
+    assert dsa_kernels.run_fused_absorbed_sparse_attention(
+        tilelang_config(), query, key, idx, 0.04, 512) is not None
+    call = recorder.calls[0]
+    assert call["q"].size(-1) == 512 and call["kv"].size(-1) == 512
+    assert call["indices"].size(-1) == 2051
 
 
 def _declines(recorder, query, key, idx, v_channels=512, heads=None):

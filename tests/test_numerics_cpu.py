@@ -26,7 +26,15 @@ def reference_kernel(monkeypatch):
     monkeypatch.setattr(tilelang_dsa, "SparseMLA", ReferenceSparseMLA)
     monkeypatch.setattr(dsa_kernels, "_ABSORBED_FIRST_CALL_REPORTED", True)
     monkeypatch.delenv("MCORE_DSA_REQUIRE_FUSED", raising=False)
+    monkeypatch.delenv("MCORE_DSA_TILELANG_NOPE", raising=False)
     ReferenceSparseMLA.calls.clear()
+
+
+@pytest.fixture(params=["native", "padded"])
+def route(request, monkeypatch):
+    """Both NoPE routes: the native 512 kernels (default) and #7617's zero-padding to 576."""
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", request.param)
+    return request.param
 
 
 def fused_and_dense(query, key, idx, scale, grad):
@@ -64,14 +72,14 @@ def inputs(sq, sk, heads, width, seed):
 
 @pytest.mark.parametrize("width", [512, 576])
 @pytest.mark.parametrize("topk,heads", [(64, 16), (65, 8), (127, 32)])
-def test_fused_matches_dense_fallback(width, topk, heads):
+def test_fused_matches_dense_fallback(width, topk, heads, route):
     query, key, grad, g = inputs(160, 160, heads, width, seed=topk + heads)
     idx = causal_random_indices(160, 160, topk, g).unsqueeze(0)
     fused, dense = fused_and_dense(query, key, idx, default_scale(width), grad)
     check_close(fused, dense)
 
 
-def test_glm_kpool_2051_causal_matches_dense_fallback():
+def test_glm_kpool_2051_causal_matches_dense_fallback(route):
     """GLM-5.3-Flash: width 512, 16 heads, 2051-wide causal k-pool indices at 2200 tokens, so
     early rows hold far fewer keys than the width and late rows pick 512 of their pools."""
     sq = 2200
@@ -81,11 +89,12 @@ def test_glm_kpool_2051_causal_matches_dense_fallback():
     assert idx.size(-1) == KPOOL_WIDTH and int(valid.min()) < 64 and int(valid.max()) > 2048
     fused, dense = fused_and_dense(query, key, idx, default_scale(512), grad)
     check_close(fused, dense)
-    # the kernel saw 2051 padded to 2112 with -1
-    assert ReferenceSparseMLA.calls[0][2][-1] == 2112
+    # native: 512 wide, the 2051 width as is; padded: 576 wide, 2051 padded to 2112 with -1
+    want = (512, 2051) if route == "native" else (576, 2112)
+    assert (ReferenceSparseMLA.calls[0][0][-1], ReferenceSparseMLA.calls[0][2][-1]) == want
 
 
-def test_row_without_valid_index_gives_zero_output_and_gradient():
+def test_row_without_valid_index_gives_zero_output_and_gradient(route):
     query, key, grad, g = inputs(96, 96, 16, 512, seed=3)
     idx = causal_random_indices(96, 96, 65, g).unsqueeze(0)
     idx[0, 10] = -1
