@@ -11,8 +11,11 @@ import tempfile
 import time
 
 SCALE = 512 ** -0.5  # the scale the GPU tests and the benchmark use (kernels are keyed by it)
-# (kernel heads, q/k width, top-k width): 8 heads run as 16; 65/127/2051 are padded to 128/128/2112
-CONFIGS = [(h, w, t) for h in (16, 32, 64) for (w, t) in ((576, 64), (576, 128), (512, 2051), (576, 2048))]
+# (kernel heads, q/k width, top-k width, route): 8 heads run as 16. The 576 kernels take top-k
+# padded to 64 (65/127 -> 128, 2051 -> 2112); the native 512 kernels round it to 64 (fwd) and 32
+# (bwd) themselves, so 64, 65, 127 and 2051 are four shapes there.
+PADDED = [(576, 64), (576, 128), (576, 2112), (576, 2048)]
+NATIVE = [(512, 64), (512, 65), (512, 127), (512, 2051)]
 
 
 def work(args):
@@ -39,11 +42,12 @@ def work(args):
 def main():
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
 
-    routes = ["padded", "native"] if getattr(tilelang_dsa, "NOPE_NATIVE_AVAILABLE", False) else [None]
-    jobs = []
+    native = getattr(tilelang_dsa, "NOPE_NATIVE_AVAILABLE", False)
+    configs = [(w, t, None) for w, t in PADDED] + ([(w, t, "native") for w, t in NATIVE] if native else [])
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="tl-precompile-"))
-    for i, (h, w, t) in enumerate(CONFIGS):
-        for route in routes if w == 512 else [routes[0]]:
+    jobs = []
+    for h in (16, 32, 64):
+        for w, t, route in configs:
             jobs.append((h, w, t, str(tmp / f"c{len(jobs)}"), route))
     procs = min(len(jobs), max(1, (os.cpu_count() or 2) - 2))
     t0 = time.perf_counter()

@@ -110,13 +110,17 @@ def test_kernel_receives_its_layout_and_grads_reach_inputs(recorder, monkeypatch
     assert torch.equal(query.detach(), q0) and torch.equal(key.detach(), k0) and torch.equal(idx, i0)
 
 
-def test_native_route_is_the_default_for_nope(recorder):
-    query, key, idx = make_inputs(512, 2051, 16)
+@pytest.mark.parametrize("heads,native", [(8, False), (16, False), (32, True), (64, True)])
+def test_auto_route_takes_native_kernels_from_32_kernel_heads(recorder, heads, native):
+    """No MCORE_DSA_TILELANG_NOPE: native kernels where they measured faster (>= 32 kernel heads),
+    #7617's padding at 16 (8 heads run as 16)."""
+    query, key, idx = make_inputs(512, 2051, heads)
     assert dsa_kernels.run_fused_absorbed_sparse_attention(
-        tilelang_config(), query, key, idx, 0.04, 512) is not None
+        tilelang_config(heads), query, key, idx, 0.04, 512) is not None
     call = recorder.calls[0]
-    assert call["q"].size(-1) == 512 and call["kv"].size(-1) == 512
-    assert call["indices"].size(-1) == 2051
+    want = (512, 2051) if native else (576, 2112)
+    assert (call["q"].size(-1), call["indices"].size(-1)) == want
+    assert call["kv"].size(-1) == want[0]
 
 
 def _declines(recorder, query, key, idx, v_channels=512, heads=None):

@@ -350,6 +350,7 @@ def fakes(monkeypatch):
     for var in ("MCORE_DSA_TILELANG_TOPK_BUCKET", "MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H",
                 "MCORE_DSA_TILELANG_NATIVE_SCHEDULE"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")  # whatever the head count
     return f
 
 

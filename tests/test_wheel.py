@@ -74,7 +74,7 @@ class Fake:
         seen.append((tuple(q.shape), tuple(kv.shape), tuple(idx.shape)))
         return torch.zeros(q.shape[:-1] + (512,), dtype=q.dtype), None
 tilelang_dsa.SparseMLA = Fake
-q = torch.zeros(8, 1, 16, 512, dtype=torch.bfloat16)
+q = torch.zeros(8, 1, 32, 512, dtype=torch.bfloat16)
 k = torch.zeros(2100, 1, 1, 512, dtype=torch.bfloat16)
 idx = torch.full((1, 8, 2051), -1, dtype=torch.int32)
 out = tilelang_dsa.run_fused_absorbed_sparse_attention(q, k, idx, 0.04, 512)
@@ -104,9 +104,9 @@ def test_wheel_installs_into_fresh_env_with_patched_behaviour(wheel, tmp_path):
     assert info["version"] == VERSION and info["dist"] == VERSION
     assert info["file"].startswith(str(fresh_site)), info["file"]
     assert info["patches"] == series()
-    # the patched hook: 512-wide q/k and 2051 indices reach the native kernels as they are
-    assert info["out"] == [8, 1, 16, 512]
-    assert info["seen"] == [[[1, 8, 16, 512], [1, 2100, 1, 512], [1, 8, 1, 2051]]]
+    # the patched hook: at 32 heads 512-wide q/k and 2051 indices reach the native kernels as is
+    assert info["out"] == [8, 1, 32, 512]
+    assert info["seen"] == [[[1, 8, 32, 512], [1, 2100, 1, 512], [1, 8, 1, 2051]]]
 
 
 def _build_in(tmp, env):

@@ -1,5 +1,6 @@
-"""The patched fused path with the real TileLang SparseMLA kernel on a GPU, against an FP32
-reference computed on the unpadded inputs, and GLM-5.3-Flash shapes through the DSAttention hook."""
+"""The patched fused path with the real TileLang SparseMLA kernels on a GPU, against an FP32
+reference computed on the unpadded inputs, and GLM-5.3-Flash shapes through the DSAttention hook.
+NoPE (width 512) runs both routes: the native tail-free kernels and #7617's zero-padding to 576."""
 import pytest
 import torch
 
@@ -51,11 +52,21 @@ def run_reference(q, k, idx, do, scale=SCALE):
     return out.detach(), q.grad, k.grad
 
 
+@pytest.fixture
+def route(request, monkeypatch):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", request.param)
+    return request.param
+
+
+# 512 runs both NoPE routes: the native kernels (0030/0040, default) and #7617's padding (0010)
+WIDTH_ROUTE = [(512, "native"), (512, "padded"), (576, "native")]
+
+
 @pytest.mark.parametrize("sq", [129, 256])
 @pytest.mark.parametrize("heads", [8, 16, 32, 64])
 @pytest.mark.parametrize("topk", [64, 65, 127, 2051])
-@pytest.mark.parametrize("width", [512, 576])
-def test_fused_matches_fp32_reference(width, topk, heads, sq):
+@pytest.mark.parametrize("width,route", WIDTH_ROUTE, indirect=["route"])
+def test_fused_matches_fp32_reference(width, route, topk, heads, sq):
     empty = (3, sq - 2)
     q, k, do, idx = make(sq, heads, width, topk, seed=sq + heads + topk, empty_rows=empty)
     got = run_fused(q, k, idx, do)
@@ -94,7 +105,8 @@ def hook(q, k, idx, do):
     return out.detach(), q.grad, k.grad
 
 
-def test_glm_4096_through_hook_matches_dense_fallback(strict):
+@pytest.mark.parametrize("route", ["native", "padded"], indirect=True)
+def test_glm_4096_through_hook_matches_dense_fallback(strict, route):
     q, k, do, idx = glm_inputs(4096)
     fused = hook(q, k, idx, do)
     qd = q.detach().clone().requires_grad_()
@@ -107,7 +119,8 @@ def test_glm_4096_through_hook_matches_dense_fallback(strict):
         assert err < 1e-2, f"{name}: relative L2 error {err:.2e}"
 
 
-def test_glm_32768_through_hook_never_declines(strict):
+@pytest.mark.parametrize("route", ["native", "padded"], indirect=True)
+def test_glm_32768_through_hook_never_declines(strict, route):
     """The dense fallback does not fit at 32k; check rows against the FP32 reference instead
     (output and dq of a row depend only on that row)."""
     sq = 32768
@@ -122,3 +135,19 @@ def test_glm_32768_through_hook_never_declines(strict):
     ref.backward(do[rows].float())
     assert rel_l2(out[rows], ref) < TOL
     assert rel_l2(dq[rows], qs.grad) < TOL
+
+
+def test_native_matches_padded_route_forward_bitwise_and_backward_closely(monkeypatch):
+    """The zero RoPE slot adds exact zeros to q.k, so the native forward should equal the padded
+    one; backward uses atomics in a different layout, so within bf16 tolerance."""
+    q, k, do, idx = glm_inputs(4096, seed=2)
+    res = {}
+    for route in ("padded", "native"):
+        monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", route)
+        res[route] = hook(q, k, idx, do)
+    out_p, dq_p, dk_p = res["padded"]
+    out_n, dq_n, dk_n = res["native"]
+    max_diff = (out_n.float() - out_p.float()).abs().max().item()
+    print(f"native vs padded forward: max abs diff {max_diff:.3e}, rel {rel_l2(out_n, out_p):.3e}")
+    assert rel_l2(out_n, out_p) < 1e-3
+    assert rel_l2(dq_n, dq_p) < 1e-2 and rel_l2(dk_n, dk_p) < 1e-2
