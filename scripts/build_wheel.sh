@@ -12,10 +12,12 @@ out=$BUILD/wheel-out
 rm -rf "$src" "$out"
 cp -a "$BUILD/tree" "$src"
 
-"$py" - "$src" "$LOCAL_LABEL" "$MCORE_VERSION" "$PATCHES" <<'PY'
-import hashlib, pathlib, sys
-src, label, base, patches = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
+"$py" - "$src" "$LOCAL_LABEL" "$PATCHES" <<'PY'
+import hashlib, os, pathlib, re, runpy, sys
+src, label, patches = pathlib.Path(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
 info = src / "megatron/core/package_info.py"
+os.environ["NO_VCS_VERSION"] = "1"
+base = runpy.run_path(str(info))["__version__"]  # the tree's own version (a git-only pin has no MCORE_VERSION)
 text = info.read_text()
 for old, new in [
     ("__version__ = '.'.join(map(str, VERSION[:3])) + ''.join(VERSION[3:])\n",
@@ -30,6 +32,9 @@ for old, new in [
 info.write_text(text)
 series = [l.split(" #")[0].strip() for l in (patches / "series").read_text().splitlines()]
 series = [l for l in series if l and not l.startswith("#")]
+# tests-only patches (upstream's tests/, git channel) are not in the wheel's tree
+series = [n for n in series
+          if not all(p.startswith("tests/") for p in re.findall(r"^\+\+\+ b/(\S+)", (patches / n).read_text(), re.M))]
 rows = "".join(
     f"    ({name!r}, {hashlib.sha256((patches / name).read_bytes()).hexdigest()!r}),\n" for name in series
 )
