@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# gpu_run.sh tests|bench|all OUTDIR: on a CUDA host, run the GPU tests and/or the benchmark against
+# gpu_run.sh tests|bench|all|upstream OUTDIR: on a CUDA host, run the GPU tests and/or the benchmark
+# (or, with upstream, Megatron-LM's own DSA tests carried in .upt/) against
 # the built wheel (dist/*.whl), installed with its patches into a scratch site folder (no deps: the
 # host's torch). TileLang comes from the environment or from .site/tilelang-site.tar.xz
 # (../shared/gpu/pack-tilelang-site.sh makes it); flash_mla (benchmark peer, optional) from .whl/.
@@ -32,6 +33,18 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   rc=${PIPESTATUS[0]}
   summary="gpu tests: $(tail -n 1 "$out/gpu-tests.log")"
+fi
+if [ "$what" = upstream ]; then
+  # upstream's own DSA tests (carried in .upt/ by scripts/carry_upstream_tests.sh) against the
+  # installed wheel, one file at a time under torch.distributed.run (their helpers expect it);
+  # the kernels were compiled by precompile.py above, the rest compile here: allow minutes a file
+  [ -d .upt/tests ] || { echo "error: no .upt/: run scripts/carry_upstream_tests.sh here first" >&2; exit 1; }
+  d=tests/unit_tests/transformer/experimental_attention_variant
+  for f in ${UPSTREAM_FILES:-test_dsa_tilelang_kernels test_absorbed_mla test_attention_variant_dsa}; do
+    (cd .upt && timeout "${UPSTREAM_TIMEOUT:-400}" "$py" -m torch.distributed.run --nproc_per_node 1 \
+      -m pytest "$d/$f.py" -q -rfEs -p no:cacheprovider --junitxml="$out/upstream-$f.xml") >"$out/upstream-$f.log" 2>&1
+    summary="$summary; $f: $(grep -E '(passed|failed|error)' "$out/upstream-$f.log" | tail -n 1)"
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$py" bench/bench.py --out "$out" 2>&1 | tee "$out/bench.log" || rc=1
