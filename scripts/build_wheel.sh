@@ -12,9 +12,13 @@ out=$BUILD/wheel-out
 rm -rf "$src" "$out"
 cp -a "$BUILD/tree" "$src"
 
-"$py" - "$src" "$LOCAL_LABEL" "$PATCHES" <<'PY'
-import hashlib, os, pathlib, re, runpy, sys
+# the manifest lists the patches applied to this tree: tests-only ones (upstream's tests/) are not
+in_wheel=()
+while read -r p; do tests_only "$PATCHES/$p" || in_wheel+=("$p"); done < <(series)
+"$py" - "$src" "$LOCAL_LABEL" "$PATCHES" "${in_wheel[@]}" <<'PY'
+import hashlib, os, pathlib, runpy, sys
 src, label, patches = pathlib.Path(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+series = sys.argv[4:]
 info = src / "megatron/core/package_info.py"
 os.environ["NO_VCS_VERSION"] = "1"
 base = runpy.run_path(str(info))["__version__"]  # the tree's own version (a git-only pin has no MCORE_VERSION)
@@ -30,11 +34,6 @@ for old, new in [
         sys.exit(f"error: package_info.py no longer has the line the version stamp expects: {old!r}")
     text = text.replace(old, new)
 info.write_text(text)
-series = [l.split(" #")[0].strip() for l in (patches / "series").read_text().splitlines()]
-series = [l for l in series if l and not l.startswith("#")]
-# tests-only patches (upstream's tests/, git channel) are not in the wheel's tree
-series = [n for n in series
-          if not all(p.startswith("tests/") for p in re.findall(r"^\+\+\+ b/(\S+)", (patches / n).read_text(), re.M))]
 rows = "".join(
     f"    ({name!r}, {hashlib.sha256((patches / name).read_bytes()).hexdigest()!r}),\n" for name in series
 )

@@ -30,15 +30,8 @@ nproc=${NPROC:-1}
 out=$BUILD/upstream-tests
 res=$out/results
 
-# requirements/upstream-tests.txt into the venv (a stamp holds its sha256, as setup_venv.sh does)
-req=$ROOT/requirements/upstream-tests.txt
-stamp=$VENV/.upstream-tests-requirements.sha256
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$(sha256_of "$req")" ]; then
-  note "installing requirements/upstream-tests.txt into $VENV (upstream's conftest imports click and requests)"
-  "$py" -m pip install --quiet --disable-pip-version-check -r "$req" ||
-    die "pip could not install requirements/upstream-tests.txt into $VENV (is PyPI reachable?)"
-  sha256_of "$req" >"$stamp"
-fi
+# upstream's conftest imports click and requests
+"$ROOT/scripts/setup_venv.sh" "$ROOT/requirements/upstream-tests.txt"
 
 if [ -n "${TREE:-}" ]; then
   patched=$(cd "$TREE" && pwd)

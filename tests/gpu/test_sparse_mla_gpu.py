@@ -8,17 +8,11 @@ from sparse_ref import causal_random_indices, kpool_indices, rel_l2, sparse_atte
 
 from megatron.core.transformer.experimental_attention_variant import dsa, dsa_kernels
 from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
 SCALE = 512 ** -0.5  # one scale for every case: the kernel cache is keyed by it
 DEV = "cuda"
-
-
-def tilelang_config(heads):
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    return MLATransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=heads,
-                                kv_lora_rank=512, qk_pos_emb_head_dim=0, dsa_kernel_backend="tilelang")
 
 
 def make(sq, heads, width, topk, seed, empty_rows=()):
