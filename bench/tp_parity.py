@@ -162,10 +162,10 @@ def run(args, torch, dist, world, rank, device):
 
     class RecordingSparseMLA:
         @staticmethod
-        def apply(q, kv, indices, scaling):
+        def apply(q, kv, indices, scaling, *save_output):  # save_output: 0060's native route
             kernel_calls.append(dict(q=list(q.shape), kv=list(kv.shape),
                                      indices=list(indices.shape), scale=scaling))
-            return real_sparse_mla.apply(q, kv, indices, scaling)
+            return real_sparse_mla.apply(q, kv, indices, scaling, *save_output)
 
     tilelang_dsa.SparseMLA = RecordingSparseMLA
 

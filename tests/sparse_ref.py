@@ -46,7 +46,9 @@ class ReferenceSparseMLA:
     calls = []
 
     @staticmethod
-    def apply(q, kv, indices, scaling):
+    def apply(q, kv, indices, scaling, save_output=False):
+        """save_output (0060): the real SparseMLA keeps out/lse for backward; the result is the same."""
+        assert isinstance(save_output, bool)
         assert q.dtype == kv.dtype == torch.bfloat16
         width = q.size(-1)
         assert width in (D_QK, D_V) and kv.size(-1) == width, "kernels take width 576 or 512"

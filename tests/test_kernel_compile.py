@@ -199,6 +199,12 @@ HAVE_NATIVE_SCHEDULE = "skip_invalid_gather" in inspect.signature(
     fwd_mod._get_sparse_mla_fwd_kernel).parameters
 needs_native_schedule = pytest.mark.skipif(
     not HAVE_NATIVE_SCHEDULE, reason="the native schedule patch (0050) is not in this tree")
+HAVE_SAVE_OUT = sparse_mla.SparseMLA is not None and "save_output" in inspect.signature(
+    sparse_mla.SparseMLA.forward).parameters
+needs_save_out = pytest.mark.skipif(
+    not HAVE_SAVE_OUT, reason="the native save-output patch (0060) is not in this tree")
+# kernel calls of one fwd+bwd on the native route: 0060 keeps out/lse (no forward recompute)
+NATIVE_CALLS = ["fwd", "bwd"] if HAVE_SAVE_OUT else ["fwd", "fwd", "bwd"]
 
 
 @needs_tilelang
@@ -439,16 +445,16 @@ def test_native_512_reaches_kernels_with_callers_storage(fakes, monkeypatch, top
         assert kinds["fwd"]["skip_invalid_gather"] and kinds["bwd"]["skip_invalid_gather"]
         assert kinds["bwd"]["threads"] == 128
 
-    # forward, the backward's recompute and the backward read the caller's storage
+    # forward (and the backward's recompute without 0060) and backward read the caller's storage
     calls = fakes.calls
-    assert [c["kind"] for c in calls] == ["fwd", "fwd", "bwd"]
+    assert [c["kind"] for c in calls] == NATIVE_CALLS
     for c in calls:
         assert c["q"].shape == (1, sq, heads, 512) and c["kv"].shape == (1, sk, 1, 512)
         assert c["q"].data_ptr() == query.data_ptr()
         assert c["kv"].data_ptr() == key.data_ptr()
         assert c["indices"].shape == (1, sq, 1, topk)
         assert c["indices"].data_ptr() == idx.data_ptr()
-    assert calls[2]["dkv"].shape == (1, sk, 1, 512)
+    assert calls[-1]["dkv"].shape == (1, sk, 1, 512)
 
     # no tensor 576 wide (padded q/k, dq, dkv) and no index tensor padded to 64 or 32
     assert not [s for s in shapes if s[1] and s[1][-1] == 576], shapes
@@ -477,6 +483,8 @@ def test_native_schedule_switch(fakes, monkeypatch, heads, threads, schedule):
     on = schedule == "1"
     assert kinds["fwd"]["skip_invalid_gather"] is on and kinds["bwd"]["skip_invalid_gather"] is on
     assert kinds["bwd"]["threads"] == (threads if on else 128)
+    if "split_store" in kinds["bwd"]:  # 16-head block: dKV staged in 8 slices (2 CTAs per SM)
+        assert kinds["bwd"]["split_store"] == (8 if on and heads == 16 else 2)
 
 
 @needs_tilelang
@@ -489,6 +497,62 @@ def test_native_512_small_head_count_pads_heads_only(fakes):
     assert fwd_call["kv"].data_ptr() == key.data_ptr()
     assert fwd_call["indices"].data_ptr() == idx.data_ptr()
     assert query.grad.shape == query.shape
+    # padded heads: the hook's output is a copy, so SparseMLA recomputes instead of saving
+    assert [c["kind"] for c in fakes.calls] == ["fwd", "fwd", "bwd"]
+
+
+def _with_empty_rows(idx, rows):
+    idx = idx.clone()
+    idx[:, rows] = -1  # rows with no valid index: zero output and zero gradient
+    return idx
+
+
+@needs_tilelang
+@needs_save_out
+def test_native_save_output_matches_recompute(fakes, monkeypatch):
+    """0060: the native route keeps out/lse for backward (one forward kernel per fwd+bwd) and
+    gives what upstream's recompute gives (MCORE_DSA_TILELANG_NATIVE_SAVE_OUT=0), including zero
+    output and gradients for rows with no valid index, which it no longer masks itself."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    heads, sq, sk, topk, scale = 16, 256, 512, 131, 512 ** -0.5
+    empty = [0, 5, 200]
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_SAVE_OUT", flag)
+        fakes.calls.clear()
+        query, key, idx = _inputs(512, topk, heads, sq, sk)
+        idx = _with_empty_rows(idx, empty)
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+        kinds = [c["kind"] for c in fakes.calls]
+        assert kinds == (["fwd", "bwd"] if flag == "1" else ["fwd", "fwd", "bwd"])
+        results[flag] = (out.detach(), query.grad, key.grad)
+    for saved, recomputed in zip(results["1"], results["0"]):
+        assert torch.equal(saved, recomputed)
+    out, dq, _ = results["1"]
+    assert torch.count_nonzero(out[empty]) == 0 and torch.count_nonzero(dq[empty]) == 0
+    assert torch.count_nonzero(out) > 0 and torch.count_nonzero(dq) > 0
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
+    for got, ref in zip(results["1"], (ref_out, ref_dq, ref_dk)):
+        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+
+
+@needs_tilelang
+@needs_save_out
+def test_native_batch_two_recomputes(fakes, monkeypatch):
+    """Batch > 1: the hook's output is a permuted copy, so SparseMLA recomputes (saving would
+    keep a second copy alive until backward)."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    g = torch.Generator().manual_seed(3)
+    heads, sq, sk, topk = 16, 256, 512, 131
+    query = torch.randn(sq, 2, heads, 512, generator=g).to(torch.bfloat16).requires_grad_()
+    key = torch.randn(sk, 2, 1, 512, generator=g).to(torch.bfloat16).requires_grad_()
+    idx = torch.stack([causal_random_indices(sq, sk, topk, g, offset=sk - sq) for _ in range(2)])
+    out = dsa_kernels.run_fused_absorbed_sparse_attention(_config(heads), query, key, idx,
+                                                          0.05, D_V)
+    assert out is not None and out.shape == (sq, 2, heads, D_V)
+    out.float().sum().backward()
+    assert [c["kind"] for c in fakes.calls] == ["fwd", "fwd", "bwd"]
+    assert query.grad.shape == query.shape and key.grad.shape == key.shape
 
 
 @needs_tilelang

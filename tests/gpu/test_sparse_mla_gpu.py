@@ -145,3 +145,24 @@ def test_native_matches_padded_route_forward_bitwise_and_backward_closely(monkey
     print(f"native vs padded forward: max abs diff {max_diff:.3e}, rel {rel_l2(out_n, out_p):.3e}")
     assert rel_l2(out_n, out_p) < 1e-3
     assert rel_l2(dq_n, dq_p) < 1e-2 and rel_l2(dk_n, dk_p) < 1e-2
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+def test_native_saved_output_matches_recompute(monkeypatch, heads):
+    """0060: keeping out/lse for backward (default) gives upstream's recompute results
+    (MCORE_DSA_TILELANG_NATIVE_SAVE_OUT=0): the same forward kernel, so the same output bit for bit,
+    and the same backward kernel on the same out/lse (dkv's atomics may add in another order).
+    Rows with no valid index stay exactly zero without SparseMLA's head masks."""
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    empty = (3, 254)
+    q, k, do, idx = make(256, heads, 512, 2051, seed=heads, empty_rows=empty)
+    res = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_SAVE_OUT", flag)
+        res[flag] = run_fused(q, k, idx, do)
+    (out_s, dq_s, dk_s), (out_r, dq_r, dk_r) = res["1"], res["0"]
+    assert torch.equal(out_s, out_r)
+    assert torch.equal(dq_s, dq_r)
+    assert rel_l2(dk_s, dk_r) < 1e-3
+    for r in empty:
+        assert torch.count_nonzero(out_s[r]) == 0 and torch.count_nonzero(dq_s[r]) == 0

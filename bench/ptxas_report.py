@@ -1,0 +1,98 @@
+"""ptxas resource usage (registers, spills, shared memory) of the SparseMLA kernels of the patched
+tree, compiled for sm_90a on any host (no GPU needed: TileLang lowers, nvcc compiles).
+
+  python bench/ptxas_report.py [--only NAME ...]
+
+Each config builds one kernel through the tree's own builders (the arguments the wrappers pass),
+takes TileLang's generated CUDA and compiles it again with `nvcc --cubin -Xptxas -v`, then prints
+one line per kernel: registers per thread, spill stores/loads (bytes), static + dynamic smem.
+Spills in the 64-row accumulators are what costs the 128-thread backward (see reports/README.md).
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TILELANG_DEFAULT_TARGET", '{"kind": "cuda", "arch": "sm_90a"}')
+
+import tilelang  # noqa: E402
+from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH  # noqa: E402
+
+from megatron.core.transformer.experimental_attention_variant.ops import (  # noqa: E402
+    tilelang_sparse_mla_bwd as bwd_mod,
+    tilelang_sparse_mla_fwd as fwd_mod,
+)
+
+SCALE = 512 ** -0.5
+
+
+def _bwd(heads, tail, topk, threads, dynamic, skip, block_h=32, stages=2, bs=32, **kw):
+    return lambda: bwd_mod.bwd(heads, 512, tail, topk, 1, SCALE, max_block_h=block_h,
+                               threads=threads, topk_dynamic=dynamic, block_size=bs,
+                               skip_invalid_gather=skip, num_stages=stages, **kw)
+
+
+def _fwd(heads, tail, topk, **kw):
+    return lambda: fwd_mod.sparse_mla_fwd(heads, 512, tail, topk, 1, SCALE, **kw)
+
+
+# name -> builder. "stock": the 576 kernel the #7617 route runs (indices -1 padded to 2112 fwd,
+# 2080 bwd); "native": 0030+0050 as the wrapper builds it for GLM (top-k 2051 at run time).
+CONFIGS = {
+    "bwd576_h16_t128": _bwd(16, 64, 2080, 128, False, False),
+    "bwd512_h16_t128_dyn_skip": _bwd(16, 0, 2080, 128, True, True),
+    "bwd512_h16_t128_static": _bwd(16, 0, 2080, 128, False, False),
+    "bwd512_h16_t128_dyn_noskip": _bwd(16, 0, 2080, 128, True, False),
+    "bwd512_h16_t256_bs64_dyn_skip": _bwd(16, 0, 2112, 256, True, True, bs=64),
+    "bwd512_h16_t128_split4": _bwd(16, 0, 2080, 128, True, True, split_store=4),
+    "bwd512_h16_t128_split8": _bwd(16, 0, 2080, 128, True, True, split_store=8),
+    "bwd576_h32_t128": _bwd(32, 64, 2080, 128, False, False),
+    "bwd512_h32_t256_dyn_skip": _bwd(32, 0, 2080, 256, True, True),
+}
+
+
+def ptxas(kernel):
+    src = kernel.get_kernel_source()
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = os.path.join(tmp, "k.cu")
+        with open(cu, "w") as f:
+            f.write(src)
+        cmd = ["nvcc", "--cubin", "-std=c++20", "-w", "-O3", "-gencode", "arch=compute_90a,code=sm_90a",
+               "-Xptxas", "-v", "-I" + TILELANG_TEMPLATE_PATH, "-I" + CUTLASS_INCLUDE_DIR,
+               "-o", os.path.join(tmp, "k.cubin"), cu]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stdout + out.stderr)
+    text = out.stdout + out.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    smem = re.findall(r"(\d+) bytes smem", text)
+    return regs, spill, smem, text
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--raw", action="store_true", help="print ptxas's own output too")
+    args = ap.parse_args()
+    tilelang.disable_cache()
+    for name, build in CONFIGS.items():
+        if args.only and name not in args.only:
+            continue
+        t0 = time.time()
+        kernel = build()
+        regs, spill, smem, text = ptxas(kernel)
+        dyn = [int(f.attrs["dyn_shared_memory_buf"])
+               for _, f in kernel.artifact.device_mod.functions.items()
+               if "dyn_shared_memory_buf" in f.attrs]
+        print(f"{name}: regs={regs} spill(st,ld)={spill} static_smem={smem} dyn_smem={dyn} "
+              f"({time.time() - t0:.0f} s)", flush=True)
+        if args.raw:
+            print(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
