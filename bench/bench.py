@@ -13,6 +13,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   padded        512/2051  the patched NoPE path, #7617: zero-pad to 576, -1-pad top-k (fwd+bwd)
   native        512/2051  the native NoPE kernels, no 576 copies (where the wheel has them)
   native_sched0 512/2051  the same with MCORE_DSA_TILELANG_NATIVE_SCHEDULE=0 (without 0050), 32k/16 heads
+  native_recompute 512/2051  the same with MCORE_DSA_TILELANG_NATIVE_SAVE_OUT=0 (without 0060: the
+                backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads
   padded_fwd / native_fwd   the same, forward only
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
@@ -40,6 +42,7 @@ DEV = "cuda"
 GIB = 1024 ** 3
 NOPE_ENV = "MCORE_DSA_TILELANG_NOPE"  # native | padded (the native patches' switch)
 SCHEDULE_ENV = "MCORE_DSA_TILELANG_NATIVE_SCHEDULE"  # 0: the native kernels without patch 0050
+SAVE_OUT_ENV = "MCORE_DSA_TILELANG_NATIVE_SAVE_OUT"  # 0: recompute out/lse in bwd (without 0060)
 
 
 def has_native():
@@ -202,10 +205,14 @@ def run(args):
         add("padded", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx))
         if native:
             add("native", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx))
-            if heads == 16 and L == 32768:  # A/B of patch 0050's schedule changes
+            if heads == 16 and L == 32768:  # A/B of patches 0050 (schedule) and 0060 (saved out)
                 os.environ[SCHEDULE_ENV] = "0"
                 add("native_sched0", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx))
                 os.environ.pop(SCHEDULE_ENV)
+                os.environ[SAVE_OUT_ENV] = "0"
+                add("native_recompute", 512, 2051,
+                    fwd_bwd(hook_fn(heads, "native"), q512, k512, idx))
+                os.environ.pop(SAVE_OUT_ENV)
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# gpu_run.sh tests|bench|all|upstream OUTDIR: on a CUDA host, run the GPU tests and/or the benchmark
-# (or, with upstream, Megatron-LM's own DSA tests carried in .upt/) against
+# gpu_run.sh "JOB..." OUTDIR, JOB = tests|bench|all|upstream|variants: on a CUDA host, run the GPU
+# tests and/or the benchmark (upstream: Megatron-LM's own DSA tests carried in .upt/; variants:
+# bench/bwd_variants.py, the backward kernel A/B) against
 # the built wheel (dist/*.whl), installed with its patches into a scratch site folder (no deps: the
 # host's torch). TileLang comes from the environment or from .site/tilelang-site.tar.xz
 # (../shared/gpu/pack-tilelang-site.sh makes it); flash_mla (benchmark peer, optional) from .whl/.
 # Prints a one-line summary at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what=${1:-all}
+what=" ${1:-all} "
+has() { [[ $what == *" $1 "* || ( $what == *" all "* && ( $1 == tests || $1 == bench ) ) ]]; }
 out=${2:-reports/gpu-run}
 py=${PYTHON:-python3}
 site=${MCORE_SITE:-/tmp/mcore-site}
 mkdir -p "$out" "$site"
-whl=$(ls dist/megatron_core-*.whl 2>/dev/null | head -n 1)
+# MCORE_WHEEL: another wheel (e.g. an unpatched build, to compare upstream's tests against)
+whl=${MCORE_WHEEL:-$(ls dist/megatron_core-*.whl 2>/dev/null | head -n 1)}
 [ -n "$whl" ] || { echo "error: no wheel in dist/: run make wheel first" >&2; exit 1; }
 if ! "$py" -c "import tilelang" 2>/dev/null && [ -f .site/tilelang-site.tar.xz ]; then
   tar -xJf .site/tilelang-site.tar.xz -C "$site"
@@ -27,26 +30,41 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} MCORE_FROM_INSTALLED=1 PYTHON
   "$py" -c "import megatron.core as m, megatron.core.glm53_patches as p; print('megatron-core', m.__version__, [n for n, _ in p.PATCHES])"
   "$py" -c "import flash_mla; print('flash_mla', flash_mla.__version__)" 2>&1 | tail -n 1
 } | tee "$out/env.txt"
-"$py" bench/precompile.py 2>&1 | tee "$out/precompile.log"
+# PRECOMPILE=0: jobs that compile their own kernels (variants, upstream on an unpatched wheel)
+[ "${PRECOMPILE:-1}" = 0 ] || "$py" bench/precompile.py 2>&1 | tee "$out/precompile.log"
 rc=0 summary=""
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
-  rc=${PIPESTATUS[0]}
-  summary="gpu tests: $(tail -n 1 "$out/gpu-tests.log")"
+if has variants; then
+  timeout "${VARIANTS_TIMEOUT:-300}" "$py" bench/bwd_variants.py --out "$out" 2>&1 | tee "$out/bwd-variants.log" || rc=1
+  summary="$summary; variants: $(wc -l <"$out/bwd-variants.jsonl" 2>/dev/null || echo 0) rows"
 fi
-if [ "$what" = upstream ]; then
+if has tests; then
+  # the tests are many small launches: spread them over processes sharing the GPU (pytest-xdist
+  # from .whl/; the kernels are in TileLang's disk cache from precompile.py)
+  par=$("$py" -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-6}")
+  "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --durations=12 $par --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+  rc=${PIPESTATUS[0]}
+  summary="$summary; gpu tests: $(tail -n 1 "$out/gpu-tests.log")"
+fi
+if has upstream; then
   # upstream's own DSA tests (carried in .upt/ by scripts/carry_upstream_tests.sh) against the
   # installed wheel, one file at a time under torch.distributed.run (their helpers expect it);
   # the kernels were compiled by precompile.py above, the rest compile here: allow minutes a file
   [ -d .upt/tests ] || { echo "error: no .upt/: run scripts/carry_upstream_tests.sh here first" >&2; exit 1; }
   d=tests/unit_tests/transformer/experimental_attention_variant
+  # test_dsa_tilelang_kernels.py needs no process group: a first pass with pytest-xdist (carried
+  # in .whl/) compiles its kernels in parallel into TileLang's disk cache for the torchrun pass
+  if "$py" -c "import xdist" 2>/dev/null; then
+    (cd .upt && timeout "${UPSTREAM_WARMUP_TIMEOUT:-300}" "$py" -m pytest "$d/test_dsa_tilelang_kernels.py" -q -rfEs -p no:cacheprovider \
+      -n "${UPSTREAM_WORKERS:-12}") >"$out/upstream-xdist-warmup.log" 2>&1
+    summary="$summary; xdist warm-up pass: $(grep -E '(passed|failed|error)' "$out/upstream-xdist-warmup.log" | tail -n 1)"
+  fi
   for f in ${UPSTREAM_FILES:-test_dsa_tilelang_kernels test_absorbed_mla test_attention_variant_dsa}; do
     (cd .upt && timeout "${UPSTREAM_TIMEOUT:-400}" "$py" -m torch.distributed.run --nproc_per_node 1 \
       -m pytest "$d/$f.py" -q -rfEs -p no:cacheprovider --junitxml="$out/upstream-$f.xml") >"$out/upstream-$f.log" 2>&1
     summary="$summary; $f: $(grep -E '(passed|failed|error)' "$out/upstream-$f.log" | tail -n 1)"
   done
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if has bench; then
   "$py" bench/bench.py --out "$out" 2>&1 | tee "$out/bench.log" || rc=1
   summary="$summary; bench: $(wc -l <"$out/h200-bench.jsonl" 2>/dev/null || echo 0) rows in $out"
 fi

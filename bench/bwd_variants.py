@@ -1,0 +1,179 @@
+"""A/B of SparseMLA backward kernel variants on one GPU (a benchmark, not a test): the backward
+kernel alone (dKV zero-fill + kernel, CUDA events, median of --reps after a warm-up) at GLM-5.3-Flash's
+shape, to find what makes one variant slower than another. Each variant's dq/dkv are checked
+against the first native variant's.
+
+  python bench/bwd_variants.py --out DIR [--seqlen 32768] [--heads 16 32]
+
+Variants (all top-k 2051 k-pool indices, one KV head, bf16):
+  stock576        the 576 kernel the #7617 route runs (q/kv zero-padded, indices -1 padded to 2112)
+  native_0050     the native kernel as 0050 builds it at 32+ heads (dynamic top-k, -1 rows not
+                  gathered; 256 threads from a 32-head block), dKV staged in 2 slices (upstream's)
+  native_split4   ... in 4 slices (less shared memory, still one block per SM at 16 heads)
+  native_split8   ... in 8 slices (two blocks per SM at 16 heads): what 0050 now picks at 16 heads
+  native_noskip   0030's kernel: -1 rows gather row 0 (MCORE_DSA_TILELANG_NATIVE_SCHEDULE=0)
+  native_static   indices -1 padded to 2080 and a static top-k (no run-time width)
+  native_split8_static  both
+Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+
+SCALE = 512 ** -0.5
+TOPK = 2051
+
+
+def variants(heads):
+    thr = 256 if heads >= 32 else 128
+    v = {
+        "stock576": dict(tail=64, topk=2112, dynamic=False, threads=128, skip=False, split=2),
+        "native_0050": dict(tail=0, topk=2080, dynamic=True, threads=thr, skip=True, split=2),
+        "native_split4": dict(tail=0, topk=2080, dynamic=True, threads=thr, skip=True, split=4),
+        "native_split8": dict(tail=0, topk=2080, dynamic=True, threads=thr, skip=True, split=8),
+        "native_noskip": dict(tail=0, topk=2080, dynamic=True, threads=128, skip=False, split=2),
+        "native_static": dict(tail=0, topk=2080, dynamic=False, threads=thr, skip=True, split=2),
+        "native_split8_static": dict(tail=0, topk=2080, dynamic=False, threads=thr, skip=True, split=8),
+    }
+    return v
+
+
+def build(heads, cfg):
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_bwd as bwd_mod,
+    )
+
+    return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE, max_block_h=32,
+                       threads=cfg["threads"], topk_dynamic=cfg["dynamic"],
+                       skip_invalid_gather=cfg["skip"], split_store=cfg["split"])
+
+
+def compile_job(args):
+    heads, name, cfg, cache = args
+    os.environ["TILELANG_CACHE_DIR"] = cache
+    t0 = time.perf_counter()
+    try:
+        build(heads, cfg)
+        return f"compiled {name} h{heads}: {time.perf_counter() - t0:.0f} s"
+    except Exception as exc:  # noqa: BLE001
+        return f"compile FAILED {name} h{heads}: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def precompile(jobs):
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="tl-bwdvar-"))
+    jobs = [(h, n, c, str(tmp / f"c{i}")) for i, (h, n, c) in enumerate(jobs)]
+    with mp.get_context("spawn").Pool(min(len(jobs), max(1, (os.cpu_count() or 2) - 2))) as pool:
+        for line in pool.imap_unordered(compile_job, jobs):
+            print(line, flush=True)
+    dest = pathlib.Path(os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache")))
+    dest.mkdir(parents=True, exist_ok=True)
+    for c in tmp.iterdir():
+        shutil.copytree(c, dest, dirs_exist_ok=True)
+    shutil.rmtree(tmp)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--heads", type=int, nargs="*", default=[16, 32])
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    precompile([(h, n, c) for h in args.heads for n, c in variants(h).items()])
+
+    import torch
+
+    from sparse_ref import kpool_indices, rel_l2
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_bwd as bwd_mod,
+        tilelang_sparse_mla_fwd as fwd_mod,
+    )
+
+    dev = "cuda"
+    s = args.seqlen
+    g = torch.Generator(device=dev).manual_seed(0)
+    idx = kpool_indices(s, g, device=dev).view(1, s, 1, TOPK).contiguous()
+    idx_2080 = torch.nn.functional.pad(idx, (0, 2080 - TOPK), value=-1).contiguous()
+    idx_2112 = torch.nn.functional.pad(idx, (0, 2112 - TOPK), value=-1).contiguous()
+    rows = []
+    sink = open(out_dir / "bwd-variants.jsonl", "w")  # one line per variant as it finishes
+
+    def emit(row):
+        print(json.dumps(row), flush=True)
+        sink.write(json.dumps(row) + "\n")
+        sink.flush()
+
+    for heads in args.heads:
+        q = (torch.randn(1, s, heads, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+        kv = (torch.randn(1, s, 1, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+        do = (torch.randn(1, s, heads, 512, device=dev, generator=g) * 0.1).to(torch.bfloat16)
+        out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE)
+        delta = bwd_mod.sparse_mla_delta(out, do)
+        q576 = torch.nn.functional.pad(q, (0, 64)).contiguous()
+        kv576 = torch.nn.functional.pad(kv, (0, 64)).contiguous()
+        ref = None
+        for name, cfg in variants(heads).items():
+            row = dict(name=name, heads=heads, seqlen=s, index_width=TOPK, **cfg)  # cfg topk: the kernel's
+            try:
+                kernel = build(heads, cfg)
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                emit(row)
+                rows.append(row)
+                continue
+            qq, kk = (q576, kv576) if cfg["tail"] else (q, kv)
+            ii = idx_2112 if cfg["tail"] else (idx if cfg["dynamic"] else idx_2080)
+            dkv = torch.zeros(kk.shape, dtype=torch.float32, device=dev)
+
+            def call():
+                dkv.zero_()
+                return kernel(qq, kk, do, ii, lse, delta, dkv)
+
+            dq = call()
+            torch.cuda.synchronize()
+            got = (dq[..., :512].clone(), dkv[..., :512].clone())
+            times = []
+            for _ in range(args.reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                call()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            row["bwd_ms"] = statistics.median(times)
+            row["bwd_ms_min"] = min(times)
+            if name == "native_0050":
+                ref = got
+            if ref is not None:
+                row["dq_rel_l2_vs_native_0050"] = rel_l2(got[0], ref[0])
+                row["dkv_rel_l2_vs_native_0050"] = rel_l2(got[1], ref[1])
+            emit(row)
+            rows.append(row)
+            del dq, dkv, got
+        # stock576 ran before the reference existed: check it now
+        if ref is not None and "bwd_ms" in rows[-len(variants(heads))]:
+            cfg = variants(heads)["stock576"]
+            dkv = torch.zeros(kv576.shape, dtype=torch.float32, device=dev)
+            dq = build(heads, cfg)(q576, kv576, do, idx_2112, lse, delta, dkv)
+            r = rows[-len(variants(heads))]
+            r["dq_rel_l2_vs_native_0050"] = rel_l2(dq[..., :512], ref[0])
+            r["dkv_rel_l2_vs_native_0050"] = rel_l2(dkv[..., :512], ref[1])
+            emit(dict(r, recheck=True))
+        del q, kv, do, out, lse, delta, q576, kv576
+        torch.cuda.empty_cache()
+    sink.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
