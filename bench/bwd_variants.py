@@ -18,16 +18,14 @@ Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
 import json
-import multiprocessing as mp
 import os
 import pathlib
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from precompile import compile_in_processes  # noqa: E402  (bench/ is on sys.path: the script's folder)
 
 SCALE = 512 ** -0.5
 TOPK = 2051
@@ -68,19 +66,6 @@ def compile_job(args):
         return f"compile FAILED {name} h{heads}: {type(exc).__name__}: {str(exc)[:300]}"
 
 
-def precompile(jobs):
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="tl-bwdvar-"))
-    jobs = [(h, n, c, str(tmp / f"c{i}")) for i, (h, n, c) in enumerate(jobs)]
-    with mp.get_context("spawn").Pool(min(len(jobs), max(1, (os.cpu_count() or 2) - 2))) as pool:
-        for line in pool.imap_unordered(compile_job, jobs):
-            print(line, flush=True)
-    dest = pathlib.Path(os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache")))
-    dest.mkdir(parents=True, exist_ok=True)
-    for c in tmp.iterdir():
-        shutil.copytree(c, dest, dirs_exist_ok=True)
-    shutil.rmtree(tmp)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -90,7 +75,7 @@ def main():
     args = ap.parse_args()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    precompile([(h, n, c) for h in args.heads for n, c in variants(h).items()])
+    compile_in_processes(compile_job, [(h, n, c) for h in args.heads for n, c in variants(h).items()])
 
     import torch
 

@@ -19,7 +19,7 @@ NATIVE = [(512, 64), (512, 65), (512, 127), (512, 2051)]
 
 
 def work(args):
-    heads, width, topk, cache, route = args
+    heads, width, topk, route, cache = args
     os.environ["TILELANG_CACHE_DIR"] = cache
     if route:
         os.environ["MCORE_DSA_TILELANG_NOPE"] = route
@@ -39,26 +39,32 @@ def work(args):
     return f"heads {heads} width {width} topk {topk} route {route or '-'}: {time.perf_counter() - t0:.1f} s"
 
 
-def main():
-    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
-
-    native = getattr(tilelang_dsa, "NOPE_NATIVE_AVAILABLE", False)
-    configs = [(w, t, None) for w, t in PADDED] + ([(w, t, "native") for w, t in NATIVE] if native else [])
+def compile_in_processes(fn, jobs):
+    """Run fn(job + (cache_dir,)) for each job in spawned processes, each with its own TileLang
+    cache folder (no two processes write one entry), print what fn returns, then merge the
+    folders into TileLang's cache. Returns the number of processes."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="tl-precompile-"))
-    jobs = []
-    for h in (16, 32, 64):
-        for w, t, route in configs:
-            jobs.append((h, w, t, str(tmp / f"c{len(jobs)}"), route))
+    jobs = [tuple(job) + (str(tmp / f"c{i}"),) for i, job in enumerate(jobs)]
     procs = min(len(jobs), max(1, (os.cpu_count() or 2) - 2))
-    t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(procs) as pool:
-        for line in pool.imap_unordered(work, jobs):
+        for line in pool.imap_unordered(fn, jobs):
             print(line, flush=True)
     dest = pathlib.Path(os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache")))
     dest.mkdir(parents=True, exist_ok=True)
     for c in tmp.iterdir():
         shutil.copytree(c, dest, dirs_exist_ok=True)
     shutil.rmtree(tmp)
+    return procs
+
+
+def main():
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+    native = getattr(tilelang_dsa, "NOPE_NATIVE_AVAILABLE", False)
+    configs = [(w, t, None) for w, t in PADDED] + ([(w, t, "native") for w, t in NATIVE] if native else [])
+    jobs = [(h, w, t, route) for h in (16, 32, 64) for w, t, route in configs]
+    t0 = time.perf_counter()
+    procs = compile_in_processes(work, jobs)
     print(f"precompiled {len(jobs)} configurations in {time.perf_counter() - t0:.0f} s with {procs} processes")
 
 
