@@ -79,6 +79,7 @@ def main():
 
     import torch
 
+    from bench import timed  # bench/bench.py (this script's folder is on sys.path)
     from sparse_ref import kpool_indices, rel_l2
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_bwd as bwd_mod,
@@ -128,14 +129,7 @@ def main():
             dq = call()
             torch.cuda.synchronize()
             got = (dq[..., :512].clone(), dkv[..., :512].clone())
-            times = []
-            for _ in range(args.reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                call()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
+            times = timed(call, args.reps)
             row["bwd_ms"] = statistics.median(times)
             row["bwd_ms_min"] = min(times)
             if name == "native_0050":

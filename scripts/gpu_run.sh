@@ -33,6 +33,7 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} MCORE_FROM_INSTALLED=1 PYTHON
 # PRECOMPILE=0: jobs that compile their own kernels (variants, upstream on an unpatched wheel)
 [ "${PRECOMPILE:-1}" = 0 ] || "$py" bench/precompile.py 2>&1 | tee "$out/precompile.log"
 rc=0 summary=""
+xdist=$("$py" -c "import xdist" 2>/dev/null && echo yes)  # pytest-xdist, carried in .whl/
 if has variants; then
   timeout "${VARIANTS_TIMEOUT:-300}" "$py" bench/bwd_variants.py --out "$out" 2>&1 | tee "$out/bwd-variants.log" || rc=1
   summary="$summary; variants: $(wc -l <"$out/bwd-variants.jsonl" 2>/dev/null || echo 0) rows"
@@ -44,7 +45,7 @@ fi
 if has tests; then
   # the tests are many small launches: spread them over processes sharing the GPU (pytest-xdist
   # from .whl/; the kernels are in TileLang's disk cache from precompile.py)
-  par=$("$py" -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-6}")
+  par=$([ -n "$xdist" ] && echo "-n ${GPU_TEST_WORKERS:-6}")
   "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --durations=12 $par --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   rc=${PIPESTATUS[0]}
   summary="$summary; gpu tests: $(tail -n 1 "$out/gpu-tests.log")"
@@ -57,7 +58,7 @@ if has upstream; then
   d=tests/unit_tests/transformer/experimental_attention_variant
   # test_dsa_tilelang_kernels.py needs no process group: a first pass with pytest-xdist (carried
   # in .whl/) compiles its kernels in parallel into TileLang's disk cache for the torchrun pass
-  if "$py" -c "import xdist" 2>/dev/null; then
+  if [ -n "$xdist" ]; then
     (cd .upt && timeout "${UPSTREAM_WARMUP_TIMEOUT:-300}" "$py" -m pytest "$d/test_dsa_tilelang_kernels.py" -q -rfEs -p no:cacheprovider \
       -n "${UPSTREAM_WORKERS:-12}") >"$out/upstream-xdist-warmup.log" 2>&1
     summary="$summary; xdist warm-up pass: $(grep -E '(passed|failed|error)' "$out/upstream-xdist-warmup.log" | tail -n 1)"

@@ -119,6 +119,8 @@ def test_auto_route_takes_native_kernels_at_every_head_count(recorder, heads):
         tilelang_config(heads), query, key, idx, 0.04, 512) is not None
     call = recorder.calls[0]
     assert (call["q"].size(-1), call["kv"].size(-1), call["indices"].size(-1)) == (512, 512, 2051)
+    # 0060: out/lse kept for backward where the hook's output is the kernel's (no padded heads)
+    assert call["save_output"] == (heads >= 16,)
 
 
 def _declines(recorder, query, key, idx, v_channels=512, heads=None):

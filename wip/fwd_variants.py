@@ -16,6 +16,7 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 
 SCALE = 512 ** -0.5
 TOPK = 2051
@@ -34,6 +35,7 @@ def main():
 
     import torch
 
+    from bench import timed
     from sparse_ref import kpool_indices, rel_l2
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_fwd as fwd_mod,
@@ -66,14 +68,7 @@ def main():
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 emit(row)
                 continue
-            times = []
-            for _ in range(args.reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE)
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
+            times = timed(lambda: fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE), args.reps)
             row["fwd_ms"] = statistics.median(times)
             row["fwd_ms_min"] = min(times)
             row["finite"] = bool(torch.isfinite(out.float()).all()) and bool(torch.isfinite(lse).all())
