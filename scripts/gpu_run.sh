@@ -22,6 +22,10 @@ if ! "$py" -c "import tilelang" 2>/dev/null && [ -f .site/tilelang-site.tar.xz ]
 fi
 extra=$(ls .whl/*.whl 2>/dev/null || true)
 "$py" -m pip install --quiet --no-deps --no-index --disable-pip-version-check --target "$site" "$whl" $extra || exit 1
+# WIP_PATCHES: patches from wip/ applied to the installed tree (kernel drafts not in the series)
+for p in ${WIP_PATCHES:-}; do
+  patch -d "$site" -p1 --fuzz=0 --no-backup-if-mismatch <"$p" || { echo "error: $p does not apply" >&2; exit 1; }
+done
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} MCORE_FROM_INSTALLED=1 PYTHONUNBUFFERED=1
 {
   date -u +%FT%TZ
@@ -39,7 +43,7 @@ if has variants; then
   summary="$summary; variants: $(wc -l <"$out/bwd-variants.jsonl" 2>/dev/null || echo 0) rows"
 fi
 if has fwd; then
-  timeout "${FWD_TIMEOUT:-200}" "$py" wip/fwd_variants.py --out "$out" 2>&1 | tee "$out/fwd-variants.log" || rc=1
+  timeout "${FWD_TIMEOUT:-200}" "$py" wip/fwd_variants.py --out "$out" ${FWD_ARGS:-} 2>&1 | tee "$out/fwd-variants.log" || rc=1
   summary="$summary; fwd variants: $(wc -l <"$out/fwd-variants.jsonl" 2>/dev/null || echo 0) rows"
 fi
 if has tests; then

@@ -1,37 +1,88 @@
-"""A/B of the native NoPE forward kernels on one GPU (a benchmark, not a test): 0030/0050's
-pipelined kernel (MCORE_DSA_TILELANG_NATIVE_FWD_WS=0) against 0070's warp-specialized one, at
+"""A/B of native NoPE forward kernel variants on one GPU (a benchmark, not a test), at
 GLM-5.3-Flash's shape (top-k 2051 k-pool indices, one KV head, bf16), through
-sparse_mla_fwd_interface. Checks that both give the same output and LSE (two rows with no valid
-index must give exactly zero), then times each (CUDA events, median of --reps after a warm-up).
+sparse_mla_fwd_interface, with FlashMLA's sparse prefill (when importable) in the same run.
+Each variant's output and LSE are checked against the first variant's (two rows with no valid
+index must give exactly zero), then it is timed (CUDA events, median of --reps after a warm-up).
 
-  python bench/fwd_variants.py --out DIR [--seqlen 32768] [--heads 16 32 64]
+  python wip/fwd_variants.py --out DIR [--seqlen 32768] [--heads 16 32 64] [--variants ...]
 
-Writes DIR/fwd-variants.jsonl, one row per (heads, kernel), as they finish.
+Variants: pipelined (0030/0050's kernel as shipped), pipe_s3 / pipe_bi32_s4 / pipe_t128 (the
+same kernel with other stage counts, block sizes or thread counts), ws (wip/0070's
+warp-specialized kernel, where the installed tree has it), flashmla. Writes
+DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish.
 """
 import argparse
 import json
+import math
 import os
 import pathlib
 import statistics
 import sys
+import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 SCALE = 512 ** -0.5
 TOPK = 2051
 ENV = "MCORE_DSA_TILELANG_NATIVE_FWD_WS"
+# name -> (ws env value, sparse_mla_fwd_interface keyword arguments)
+VARIANTS = {
+    "pipelined": ("0", {}),
+    "pipe_s3": ("0", dict(num_stages=3)),
+    "pipe_bi32_s4": ("0", dict(block_I=32, num_stages=4)),
+    "pipe_t128": ("0", dict(threads=128)),
+    "ws": ("1", {}),
+}
+
+
+def call(fwd_mod, name, q, kv, idx):
+    flag, kw = VARIANTS[name]
+    os.environ[ENV] = flag
+    return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
+
+
+def compile_job(args):
+    heads, name, cache = args
+    os.environ["TILELANG_CACHE_DIR"] = cache
+    import torch
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_fwd as fwd_mod,
+    )
+
+    t0 = time.perf_counter()
+    s = 256
+    q = torch.randn(1, s, heads, 512, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, s, 1, 512, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, s, (1, s, 1, TOPK), device="cuda", dtype=torch.int32)
+    try:
+        call(fwd_mod, name, q, kv, idx)
+        torch.cuda.synchronize()
+        res = "ok"
+    except Exception as exc:  # noqa: BLE001
+        res = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return f"compile {name} heads {heads}: {res} in {time.perf_counter() - t0:.1f} s"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--seqlen", type=int, nargs="*", default=[32768])
     ap.add_argument("--heads", type=int, nargs="*", default=[16, 32, 64])
+    ap.add_argument("--variants", nargs="*", default=["pipelined", "ws", "flashmla"])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--precompile", action="store_true", help="compile every kernel first, in parallel")
     args = ap.parse_args()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    kernels = [v for v in args.variants if v in VARIANTS]
+    if args.precompile:
+        from precompile import compile_in_processes
+
+        t0 = time.perf_counter()
+        compile_in_processes(compile_job, [(h, v) for h in args.heads for v in kernels])
+        print(f"precompiled in {time.perf_counter() - t0:.0f} s", flush=True)
 
     import torch
 
@@ -41,54 +92,75 @@ def main():
         tilelang_sparse_mla_fwd as fwd_mod,
     )
 
-    dev, s = "cuda", args.seqlen
-    g = torch.Generator(device=dev).manual_seed(0)
-    idx = kpool_indices(s, g, device=dev).view(1, s, 1, TOPK).contiguous()
-    empty = (3, s - 2)
-    for r in empty:
-        idx[0, r] = -1
-    sink = open(out_dir / "fwd-variants.jsonl", "w")
+    try:
+        import flash_mla as fm
+    except Exception as exc:  # noqa: BLE001
+        fm, fm_reason = None, f"{type(exc).__name__}: {exc}"
+    sink = open(out_dir / "fwd-variants.jsonl", "a")
 
     def emit(row):
         print(json.dumps(row), flush=True)
         sink.write(json.dumps(row) + "\n")
         sink.flush()
 
-    for heads in args.heads:
-        q = (torch.randn(1, s, heads, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
-        kv = (torch.randn(1, s, 1, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
-        res = {}
-        for name, flag in (("pipelined", "0"), ("warp_specialized", "1")):
-            os.environ[ENV] = flag
-            row = dict(name=name, heads=heads, seqlen=s, topk=TOPK)
-            try:
-                out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE)
-                torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    dev = "cuda"
+    for s in args.seqlen:
+        g = torch.Generator(device=dev).manual_seed(s)
+        idx = kpool_indices(s, g, device=dev).view(1, s, 1, TOPK).contiguous()
+        empty = (3, s - 2)
+        for r in empty:
+            idx[0, r] = -1
+        for heads in args.heads:
+            q = (torch.randn(1, s, heads, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+            kv = (torch.randn(1, s, 1, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+            ref, ref_ms = None, None
+            for name in args.variants:
+                row = dict(name=name, heads=heads, seqlen=s, topk=TOPK)
+                if name == "flashmla":
+                    if fm is None:
+                        row["skipped"] = f"flash_mla not importable: {fm_reason}"
+                        emit(row)
+                        continue
+                    hp = max(64, 64 * math.ceil(heads / 64))
+                    qp = torch.nn.functional.pad(q[0], (0, 0, 0, hp - heads)).contiguous()
+                    ip = torch.nn.functional.pad(idx[0], (0, -TOPK % 128), value=-1).contiguous()
+                    kv0 = kv[0].contiguous()
+
+                    def fn():
+                        o, _, l = fm.flash_mla_sparse_fwd(qp, kv0, ip, SCALE, d_v=512, use_legacy=True)
+                        # natural-log LSE -> log2, heads unpadded, batch dim back
+                        return o[None, :, :heads], (l[:, :heads] / math.log(2))[None]
+                else:
+                    def fn(name=name):
+                        return call(fwd_mod, name, q, kv, idx)
+                try:
+                    out, lse = fn()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    emit(row)
+                    continue
+                times = timed(fn, args.reps)
+                row["fwd_ms"] = statistics.median(times)
+                row["fwd_ms_min"] = min(times)
+                row["finite"] = bool(torch.isfinite(out.float()).all())
+                row["empty_rows_zero"] = all(
+                    int(torch.count_nonzero(out[0, r])) == 0 for r in empty
+                )
+                if ref is None:
+                    ref, ref_ms, ref_name = (out, lse), row["fwd_ms"], name
+                else:
+                    o0, l0 = ref
+                    row["vs"] = ref_name
+                    row["out_rel_l2"] = rel_l2(out, o0)
+                    row["out_max_abs_diff"] = (out.float() - o0.float()).abs().max().item()
+                    ok = torch.isfinite(l0) & (l0 != 0)
+                    row["lse_max_abs_diff"] = (lse.float() - l0.float())[ok].abs().max().item()
+                    row["ratio"] = row["fwd_ms"] / ref_ms
                 emit(row)
-                continue
-            times = timed(lambda: fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE), args.reps)
-            row["fwd_ms"] = statistics.median(times)
-            row["fwd_ms_min"] = min(times)
-            row["finite"] = bool(torch.isfinite(out.float()).all()) and bool(torch.isfinite(lse).all())
-            row["empty_rows_zero"] = all(
-                int(torch.count_nonzero(out[0, r])) == 0 and int(torch.count_nonzero(lse[0, r])) == 0
-                for r in empty
-            )
-            res[name] = (out, lse)
-            if "pipelined" in res and name != "pipelined":
-                o0, l0 = res["pipelined"]
-                row["out_rel_l2_vs_pipelined"] = rel_l2(out, o0)
-                row["out_max_abs_diff_vs_pipelined"] = (out.float() - o0.float()).abs().max().item()
-                row["lse_max_abs_diff_vs_pipelined"] = (lse - l0).abs().max().item()
-                row["ratio_vs_pipelined"] = row["fwd_ms"] / res_ms
-            if name == "pipelined":
-                res_ms = row["fwd_ms"]
-            emit(row)
-        os.environ.pop(ENV, None)
-        del q, kv, res
-        torch.cuda.empty_cache()
+                del out, lse
+            del q, kv, ref
+            torch.cuda.empty_cache()
     sink.close()
 
 

@@ -1,0 +1,27 @@
+"""Small calls of wip/0070's warp-specialized forward to run under compute-sanitizer (memcheck,
+synccheck, racecheck): its gather issues cp.async by hand on computed shared addresses and its
+warpgroups hand buffers over with mbarriers. Shapes reuse the kernels fwd_variants.py compiles
+(top-k 2051), with -1 rows, a -1 half and a short sequence (most entries -1).
+
+  compute-sanitizer --tool racecheck python3 wip/sanitize_ws.py
+"""
+import os
+
+import torch
+
+from megatron.core.transformer.experimental_attention_variant.ops import (
+    tilelang_sparse_mla_fwd as fwd_mod,
+)
+
+os.environ["MCORE_DSA_TILELANG_NATIVE_FWD_WS"] = "1"
+for sq, heads in ((300, 16), (256, 64)):
+    g = torch.Generator(device="cuda").manual_seed(sq)
+    q = torch.randn(1, sq, heads, 512, generator=g, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(1, sq, 1, 512, generator=g, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, sq, (1, sq, 1, 2051), generator=g, device="cuda", dtype=torch.int32)
+    idx[..., 1500:] = -1
+    idx[:, 5] = -1
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=512 ** -0.5)
+    torch.cuda.synchronize()
+    print(f"sq {sq} heads {heads}: finite={bool(torch.isfinite(out.float()).all())} "
+          f"row5 zero={int(torch.count_nonzero(out[0, 5])) == 0}", flush=True)
