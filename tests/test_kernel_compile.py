@@ -228,6 +228,38 @@ def test_native_schedule_keeps_the_pipeline_and_zero_fills_invalid_rows(sm90):
     assert "= seq_len_kv;" in bsrc and "576" not in bsrc
 
 
+HAVE_WS = hasattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws_kernel")
+needs_ws = pytest.mark.skipif(
+    not HAVE_WS, reason="the warp-specialized native forward patch (0070) is not in this tree")
+SM90A_TARGET = '{"kind": "cuda", "arch": "sm_90a"}'  # setmaxnreg (warp specialization) needs sm_90a
+
+
+@needs_tilelang
+@needs_nvcc
+@needs_ws
+@pytest.mark.parametrize("heads", [16, 64])
+def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads):
+    """0070: three warpgroups (384 threads). The gather warpgroup issues zero-filling cp.async
+    and hands buffers over with mbarriers; neither it nor the second consumer shares a named
+    barrier with the first consumer (a shared id hung the first draft on the H200)."""
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # the sm90 fixture restores it
+    try:
+        src, smem, _ = sm90(f"fwd_ws h{heads} topk 2176 sm_90a", fwd_mod.sparse_mla_fwd_nope_ws,
+                            heads, D_V, _round_up(2051, 2 * BLOCK_I), None, block_I=BLOCK_I)
+    finally:
+        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    assert "__launch_bounds__(384" in src
+    assert "_tail" not in src and "576" not in src
+    assert "int topk_len" in src
+    assert "cp_async_gs_conditional<16>" in src and "mbarrier_cp_async_arrive_noinc" in src
+    consumers1_and_producer = src.split("warpgroup_reg_alloc<168>", 1)[1]
+    assert "warpgroup_reg_dealloc<80>" in consumers1_and_producer
+    assert "__sync_thread_partial" not in consumers1_and_producer
+    assert "__syncthreads" not in consumers1_and_producer
+    assert _has_sm90_mma(src)
+    assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
+
+
 @needs_tilelang
 @needs_nvcc
 def test_576_static_topk_kernels_still_reject_unaligned_topk():
@@ -286,6 +318,12 @@ class KernelFakes:
             out = _attend(q, kv, indices, sm_scale).to(q.dtype)
             return out, _lse_log2(q, kv, indices, sm_scale)
 
+        return kernel
+
+    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I):
+        kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
+                              topk_dynamic=True)
+        self.builds[-1]["kind"] = "fwd_ws"
         return kernel
 
     def get_pre(self, H, D):
@@ -348,6 +386,9 @@ def fakes(monkeypatch):
     f = KernelFakes(None)
     # looked up on each call, so _run_hook can wrap the fakes
     monkeypatch.setattr(fwd_mod, "_get_sparse_mla_fwd_kernel", lambda *a, **k: f.get_fwd(*a, **k))
+    if HAVE_WS:
+        monkeypatch.setattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws_kernel",
+                            lambda *a, **k: f.get_fwd_ws(*a, **k))
     monkeypatch.setattr(bwd_mod, "_get_preprocess_kernel", lambda *a, **k: f.get_pre(*a, **k))
     monkeypatch.setattr(bwd_mod, "_get_bwd_kernel", lambda *a, **k: f.get_bwd(*a, **k))
     monkeypatch.setattr(bwd_mod, "_get_postprocess_kernel", lambda *a, **k: f.get_post(*a, **k))
@@ -357,6 +398,9 @@ def fakes(monkeypatch):
                 "MCORE_DSA_TILELANG_NATIVE_SCHEDULE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")  # whatever the head count
+    # 0070's warp-specialized forward is tested on its own below; the tests here check the
+    # pipelined forward's build arguments
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS", "0")
     return f
 
 
@@ -378,7 +422,7 @@ def _inputs(width, topk, heads, sq, sk, seed=0):
 
 def _run_hook(fakes, query, key, idx, scale):
     log = ShapeLog()
-    orig = {n: getattr(fakes, n) for n in ("get_fwd", "get_pre", "get_bwd", "get_post")}
+    orig = {n: getattr(fakes, n) for n in ("get_fwd", "get_fwd_ws", "get_pre", "get_bwd", "get_post")}
 
     def paused(fn):
         def wrapper(*a, **kw):
@@ -485,6 +529,37 @@ def test_native_schedule_switch(fakes, monkeypatch, heads, threads, schedule):
     assert kinds["bwd"]["threads"] == (threads if on else 128)
     if "split_store" in kinds["bwd"]:  # 16-head block: dKV staged in 8 slices (2 CTAs per SM)
         assert kinds["bwd"]["split_store"] == (8 if on and heads == 16 else 2)
+
+
+@needs_tilelang
+@needs_ws
+@pytest.mark.parametrize("heads,kernel_heads", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 128)])
+@pytest.mark.parametrize("ws", [None, "1", "0"])
+def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kernel_heads, ws):
+    """0070: the native route's forward is the warp-specialized kernel (built for top-k rounded
+    to pairs of 64-index blocks, taking the caller's q, kv and indices), unless
+    MCORE_DSA_TILELANG_NATIVE_FWD_WS=0; the backward is the same either way."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    if ws is None:
+        monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS", raising=False)
+    else:
+        monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS", ws)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    on = ws != "0"
+    fwd = [b for b in fakes.builds if b["kind"] in ("fwd", "fwd_ws")]
+    assert {b["kind"] for b in fwd} == {"fwd_ws" if on else "fwd"}
+    assert fwd[0]["heads"] == kernel_heads and fwd[0]["tail_dim"] == 0
+    assert fwd[0]["topk"] == _round_up(topk, 2 * BLOCK_I if on else BLOCK_I)
+    first = fakes.calls[0]
+    assert first["kind"] == "fwd" and first["indices"].data_ptr() == idx.data_ptr()
+    assert first["kv"].data_ptr() == key.data_ptr()
+    if heads == kernel_heads:
+        assert first["q"].data_ptr() == query.data_ptr()
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
+    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
+        assert (got.float() - ref).norm() / ref.norm() < 2e-2
 
 
 @needs_tilelang
