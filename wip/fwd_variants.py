@@ -8,7 +8,8 @@ index must give exactly zero), then it is timed (CUDA events, median of --reps a
 
 Variants: pipelined (0030/0050's kernel as shipped), pipe_s3 / pipe_bi32_s4 / pipe_t128 (the
 same kernel with other stage counts, block sizes or thread counts), ws (wip/0070's
-warp-specialized kernel, where the installed tree has it), flashmla. Writes
+warp-specialized kernel, where the installed tree has it; ws3 the same with three KV buffers,
+16 heads only), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish.
 """
 import argparse
@@ -34,10 +35,16 @@ VARIANTS = {
     "pipe_bi32_s4": ("0", dict(block_I=32, num_stages=4)),
     "pipe_t128": ("0", dict(threads=128)),
     "ws": ("1", {}),
+    "ws3": None,  # see call()
 }
 
 
 def call(fwd_mod, name, q, kv, idx):
+    if name == "ws3":  # three KV buffers (16 heads: 218 KB of shared memory), kernel called directly
+        nb = 3
+        kernel = fwd_mod._get_sparse_mla_fwd_nope_ws_kernel(
+            q.size(2), 512, -(-idx.size(-1) // (64 * nb)) * 64 * nb, SCALE, 64, nb)
+        return kernel(q, kv, idx)
     flag, kw = VARIANTS[name]
     os.environ[ENV] = flag
     return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
@@ -81,7 +88,8 @@ def main():
         from precompile import compile_in_processes
 
         t0 = time.perf_counter()
-        compile_in_processes(compile_job, [(h, v) for h in args.heads for v in kernels])
+        compile_in_processes(compile_job, [(h, v) for h in args.heads for v in kernels
+                                           if v != "ws3" or h == 16])
         print(f"precompiled in {time.perf_counter() - t0:.0f} s", flush=True)
 
     import torch
@@ -115,6 +123,8 @@ def main():
             kv = (torch.randn(1, s, 1, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
             ref, ref_ms = None, None
             for name in args.variants:
+                if name == "ws3" and heads != 16:
+                    continue
                 row = dict(name=name, heads=heads, seqlen=s, topk=TOPK)
                 if name == "flashmla":
                     if fm is None:
