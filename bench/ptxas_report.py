@@ -51,7 +51,15 @@ CONFIGS = {
     "bwd512_h16_t128_split8": _bwd(16, 0, 2080, 128, True, True, split_store=8),
     "bwd576_h32_t128": _bwd(32, 64, 2080, 128, False, False),
     "bwd512_h32_t256_dyn_skip": _bwd(32, 0, 2080, 256, True, True),
+    "fwd512_h16_pipelined": _fwd(16, 0, 2112, topk_dynamic=True, skip_invalid_gather=True),
+    "fwd512_h64_pipelined": _fwd(64, 0, 2112, topk_dynamic=True, skip_invalid_gather=True),
 }
+if hasattr(fwd_mod, "sparse_mla_fwd_nope_ws"):  # 0070 (wip/ until it is in the series)
+    CONFIGS.update({
+        f"fwd512_h{h}_ws{nb}": (lambda h=h, nb=nb: fwd_mod.sparse_mla_fwd_nope_ws(
+            h, 512, -(-2051 // (64 * nb)) * 64 * nb, SCALE, num_buffers=nb))
+        for h, nb in ((16, 2), (16, 3), (32, 2), (64, 2))
+    })
 
 
 def ptxas(kernel):
