@@ -237,19 +237,21 @@ SM90A_TARGET = '{"kind": "cuda", "arch": "sm_90a"}'  # setmaxnreg (warp speciali
 @needs_tilelang
 @needs_nvcc
 @needs_ws
-@pytest.mark.parametrize("heads", [16, 64])
-def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads):
+@pytest.mark.parametrize("heads,buffers", [(16, 3), (64, 2)])
+def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers):
     """0070: three warpgroups (384 threads). The gather warpgroup issues zero-filling cp.async
     and hands buffers over with mbarriers; neither it nor the second consumer shares a named
     barrier with the first consumer (a shared id hung the first draft on the H200)."""
     os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # the sm90 fixture restores it
+    topk = _round_up(2051, buffers * BLOCK_I)
     try:
-        src, smem, _ = sm90(f"fwd_ws h{heads} topk 2176 sm_90a", fwd_mod.sparse_mla_fwd_nope_ws,
-                            heads, D_V, _round_up(2051, 2 * BLOCK_I), None, block_I=BLOCK_I)
+        src, smem, _ = sm90(f"fwd_ws h{heads} topk {topk} buffers {buffers} sm_90a",
+                            fwd_mod.sparse_mla_fwd_nope_ws, heads, D_V, topk, None,
+                            block_I=BLOCK_I, num_buffers=buffers)
     finally:
         os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
     assert "__launch_bounds__(384" in src
-    assert "_tail" not in src and "576" not in src
+    assert "_tail" not in src and "(int64_t)576" not in src  # no tail, no 576-wide row
     assert "int topk_len" in src
     assert "cp_async_gs_conditional<16>" in src and "mbarrier_cp_async_arrive_noinc" in src
     consumers1_and_producer = src.split("warpgroup_reg_alloc<168>", 1)[1]
@@ -257,6 +259,9 @@ def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads):
     assert "__sync_thread_partial" not in consumers1_and_producer
     assert "__syncthreads" not in consumers1_and_producer
     assert _has_sm90_mma(src)
+    assert src.count("mbarrier_cp_async_arrive_noinc") == buffers  # one per buffer
+    # Q + the KV buffers + the bf16 score tile, within Hopper's per-block maximum
+    assert _only_smem(smem) >= 2 * (heads * D_V + buffers * BLOCK_I * D_V + heads * BLOCK_I)
     assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
 
 
@@ -320,10 +325,10 @@ class KernelFakes:
 
         return kernel
 
-    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I):
+    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers):
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True)
-        self.builds[-1]["kind"] = "fwd_ws"
+        self.builds[-1].update(kind="fwd_ws", num_buffers=num_buffers)
         return kernel
 
     def get_pre(self, H, D):
@@ -536,10 +541,12 @@ def test_native_schedule_switch(fakes, monkeypatch, heads, threads, schedule):
 @pytest.mark.parametrize("heads,kernel_heads", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 128)])
 @pytest.mark.parametrize("ws", [None, "1", "0"])
 def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kernel_heads, ws):
-    """0070: the native route's forward is the warp-specialized kernel (built for top-k rounded
-    to pairs of 64-index blocks, taking the caller's q, kv and indices), unless
-    MCORE_DSA_TILELANG_NATIVE_FWD_WS=0; the backward is the same either way."""
+    """0070: the native route's forward is the warp-specialized kernel (3 KV buffers at 16
+    kernel heads, 2 above; built for top-k rounded to a whole number of buffer rounds of 64
+    indices, taking the caller's q, kv and indices), unless MCORE_DSA_TILELANG_NATIVE_FWD_WS=0;
+    the backward is the same either way."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_BUFFERS", raising=False)
     if ws is None:
         monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS", raising=False)
     else:
@@ -551,7 +558,10 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     fwd = [b for b in fakes.builds if b["kind"] in ("fwd", "fwd_ws")]
     assert {b["kind"] for b in fwd} == {"fwd_ws" if on else "fwd"}
     assert fwd[0]["heads"] == kernel_heads and fwd[0]["tail_dim"] == 0
-    assert fwd[0]["topk"] == _round_up(topk, 2 * BLOCK_I if on else BLOCK_I)
+    buffers = 3 if kernel_heads == 16 else 2
+    assert fwd[0]["topk"] == _round_up(topk, buffers * BLOCK_I if on else BLOCK_I)
+    if on:
+        assert fwd[0]["num_buffers"] == buffers
     first = fakes.calls[0]
     assert first["kind"] == "fwd" and first["indices"].data_ptr() == idx.data_ptr()
     assert first["kv"].data_ptr() == key.data_ptr()

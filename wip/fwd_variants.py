@@ -8,8 +8,8 @@ index must give exactly zero), then it is timed (CUDA events, median of --reps a
 
 Variants: pipelined (0030/0050's kernel as shipped), pipe_s3 / pipe_bi32_s4 / pipe_t128 (the
 same kernel with other stage counts, block sizes or thread counts), ws (wip/0070's
-warp-specialized kernel, where the installed tree has it; ws3 the same with three KV buffers,
-16 heads only), flashmla. Writes
+warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
+with three, 16 heads only), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish.
 """
 import argparse
@@ -34,19 +34,16 @@ VARIANTS = {
     "pipe_s3": ("0", dict(num_stages=3)),
     "pipe_bi32_s4": ("0", dict(block_I=32, num_stages=4)),
     "pipe_t128": ("0", dict(threads=128)),
-    "ws": ("1", {}),
-    "ws3": None,  # see call()
+    "ws": ("1", {}),  # two KV buffers
+    "ws3": ("1", {}),  # three KV buffers (16 heads only: 218 KB of shared memory)
 }
 
 
 def call(fwd_mod, name, q, kv, idx):
-    if name == "ws3":  # three KV buffers (16 heads: 218 KB of shared memory), kernel called directly
-        nb = 3
-        kernel = fwd_mod._get_sparse_mla_fwd_nope_ws_kernel(
-            q.size(2), 512, -(-idx.size(-1) // (64 * nb)) * 64 * nb, SCALE, 64, nb)
-        return kernel(q, kv, idx)
     flag, kw = VARIANTS[name]
     os.environ[ENV] = flag
+    if name.startswith("ws"):
+        os.environ[ENV + "_BUFFERS"] = name[2:] or "2"
     return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
 
