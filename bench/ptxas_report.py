@@ -54,7 +54,7 @@ CONFIGS = {
     "fwd512_h16_pipelined": _fwd(16, 0, 2112, topk_dynamic=True, skip_invalid_gather=True),
     "fwd512_h64_pipelined": _fwd(64, 0, 2112, topk_dynamic=True, skip_invalid_gather=True),
 }
-if hasattr(fwd_mod, "sparse_mla_fwd_nope_ws"):  # 0070 (wip/ until it is in the series)
+if hasattr(fwd_mod, "sparse_mla_fwd_nope_ws"):  # 0070
     CONFIGS.update({
         f"fwd512_h{h}_ws{nb}": (lambda h=h, nb=nb: fwd_mod.sparse_mla_fwd_nope_ws(
             h, 512, -(-2051 // (64 * nb)) * 64 * nb, SCALE, num_buffers=nb))

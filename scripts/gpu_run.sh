@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_run.sh "JOB..." OUTDIR, JOB = tests|bench|all|upstream|variants|fwd: on a CUDA host, run the
 # GPU tests and/or the benchmark (upstream: Megatron-LM's own DSA tests carried in .upt/; variants:
-# bench/bwd_variants.py, the backward kernel A/B; fwd: wip/fwd_variants.py, the forward A/B) against
+# bench/bwd_variants.py, the backward kernel A/B; fwd: bench/fwd_variants.py, the forward kernel A/B) against
 # the built wheel (dist/*.whl), installed with its patches into a scratch site folder (no deps: the
 # host's torch). TileLang comes from the environment or from .site/tilelang-site.tar.xz
 # (../shared/gpu/pack-tilelang-site.sh makes it); flash_mla (benchmark peer, optional) from .whl/.
@@ -43,7 +43,7 @@ if has variants; then
   summary="$summary; variants: $(wc -l <"$out/bwd-variants.jsonl" 2>/dev/null || echo 0) rows"
 fi
 if has fwd; then
-  timeout "${FWD_TIMEOUT:-200}" "$py" wip/fwd_variants.py --out "$out" ${FWD_ARGS:-} 2>&1 | tee "$out/fwd-variants.log" || rc=1
+  timeout "${FWD_TIMEOUT:-200}" "$py" bench/fwd_variants.py --out "$out" ${FWD_ARGS:-} 2>&1 | tee "$out/fwd-variants.log" || rc=1
   summary="$summary; fwd variants: $(wc -l <"$out/fwd-variants.jsonl" 2>/dev/null || echo 0) rows"
 fi
 if has tests; then

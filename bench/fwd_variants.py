@@ -4,10 +4,10 @@ sparse_mla_fwd_interface, with FlashMLA's sparse prefill (when importable) in th
 Each variant's output and LSE are checked against the first variant's (two rows with no valid
 index must give exactly zero), then it is timed (CUDA events, median of --reps after a warm-up).
 
-  python wip/fwd_variants.py --out DIR [--seqlen 32768] [--heads 16 32 64] [--variants ...]
+  python bench/fwd_variants.py --out DIR [--seqlen 32768] [--heads 16 32 64] [--variants ...]
 
 Variants: pipelined (0030/0050's kernel as shipped), pipe_s3 / pipe_bi32_s4 / pipe_t128 (the
-same kernel with other stage counts, block sizes or thread counts), ws (wip/0070's
+same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
 with three, 16 heads only), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish.

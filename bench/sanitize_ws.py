@@ -1,9 +1,9 @@
-"""Small calls of wip/0070's warp-specialized forward to run under compute-sanitizer (memcheck,
+"""Small calls of 0070's warp-specialized forward to run under compute-sanitizer (memcheck,
 synccheck, racecheck): its gather issues cp.async by hand on computed shared addresses and its
 warpgroups hand buffers over with mbarriers. Shapes reuse the kernels fwd_variants.py compiles
 (top-k 2051), with -1 rows, a -1 half and a short sequence (most entries -1).
 
-  compute-sanitizer --tool racecheck python3 wip/sanitize_ws.py
+  compute-sanitizer --tool racecheck python3 bench/sanitize_ws.py
 """
 import os
 
