@@ -1,8 +1,8 @@
 """A/B of native NoPE forward kernel variants on one GPU (a benchmark, not a test), at
 GLM-5.3-Flash's shape (top-k 2051 k-pool indices, one KV head, bf16), through
 sparse_mla_fwd_interface, with FlashMLA's sparse prefill (when importable) in the same run.
-Each variant's output and LSE are checked against the first variant's (two rows with no valid
-index must give exactly zero), then it is timed (CUDA events, median of --reps after a warm-up).
+Each variant's output and LSE are checked against the first variant's and sampled rows against
+the FP32 reference (two rows with no valid index must give exactly zero), then it is timed (CUDA events, median of --reps after a warm-up).
 
   python bench/fwd_variants.py --out DIR [--seqlen 32768] [--heads 16 32 64] [--variants ...]
 
@@ -92,7 +92,7 @@ def main():
     import torch
 
     from bench import timed
-    from sparse_ref import kpool_indices, rel_l2
+    from sparse_ref import kpool_indices, rel_l2, sparse_attention_reference
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_fwd as fwd_mod,
     )
@@ -147,6 +147,12 @@ def main():
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     emit(row)
                     continue
+                # sampled rows against the FP32 reference (dense scores over the sampled rows
+                # only), so a kernel that leaves part of its output unwritten cannot pass by
+                # inheriting an earlier variant's memory
+                rows = torch.arange(0, s, max(1, s // 64), device=dev)
+                ref_rows = sparse_attention_reference(q[:, rows], kv, idx[:, rows], SCALE)
+                row["sampled_rows_rel_l2_vs_fp32"] = rel_l2(out[:, rows], ref_rows)
                 times = timed(fn, args.reps)
                 row["fwd_ms"] = statistics.median(times)
                 row["fwd_ms_min"] = min(times)
@@ -165,6 +171,7 @@ def main():
                     row["lse_max_abs_diff"] = (lse.float() - l0.float())[ok].abs().max().item()
                     row["ratio"] = row["fwd_ms"] / ref_ms
                 emit(row)
+                out.fill_(float("nan"))  # poison: the next variant's output may reuse this memory
                 del out, lse
             del q, kv, ref
             torch.cuda.empty_cache()

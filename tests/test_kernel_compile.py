@@ -258,6 +258,11 @@ def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers):
     assert "warpgroup_reg_dealloc<80>" in consumers1_and_producer
     assert "__sync_thread_partial" not in consumers1_and_producer
     assert "__syncthreads" not in consumers1_and_producer
+    # the second consumer rescales its half by WG0's alpha, divides by WG0's sum and stores it
+    # (with a fragment shared with WG0, TileLang dropped all three: half the output unwritten)
+    consumer1 = consumers1_and_producer.split("warpgroup_reg_dealloc<80>", 1)[0]
+    assert "alpha_shared" in consumer1 and "sumexp_shared" in consumer1
+    assert "Output + " in consumer1
     assert _has_sm90_mma(src)
     assert src.count("mbarrier_cp_async_arrive_noinc") == buffers  # one per buffer
     # Q + the KV buffers + the bf16 score tile, within Hopper's per-block maximum
