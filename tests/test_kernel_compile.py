@@ -546,10 +546,11 @@ def test_native_schedule_switch(fakes, monkeypatch, heads, threads, schedule):
 @pytest.mark.parametrize("heads,kernel_heads", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 128)])
 @pytest.mark.parametrize("ws", [None, "1", "0"])
 def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kernel_heads, ws):
-    """0070: the native route's forward is the warp-specialized kernel (3 KV buffers at 16
-    kernel heads, 2 above; built for top-k rounded to a whole number of buffer rounds of 64
-    indices, taking the caller's q, kv and indices), unless MCORE_DSA_TILELANG_NATIVE_FWD_WS=0;
-    the backward is the same either way."""
+    """0070: the native route's forward is the warp-specialized kernel at 16 and 32 kernel heads
+    (3 KV buffers at 16, 2 at 32; built for top-k rounded to a whole number of buffer rounds of
+    64 indices, taking the caller's q, kv and indices) and the pipelined one from 64 heads;
+    MCORE_DSA_TILELANG_NATIVE_FWD_WS=0 gives the pipelined one everywhere, =1 the
+    warp-specialized one everywhere. The backward is the same either way."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
     monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_BUFFERS", raising=False)
     if ws is None:
@@ -559,7 +560,7 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    on = ws != "0"
+    on = ws == "1" or (ws is None and kernel_heads in (16, 32))
     fwd = [b for b in fakes.builds if b["kind"] in ("fwd", "fwd_ws")]
     assert {b["kind"] for b in fwd} == {"fwd_ws" if on else "fwd"}
     assert fwd[0]["heads"] == kernel_heads and fwd[0]["tail_dim"] == 0
