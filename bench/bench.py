@@ -100,6 +100,12 @@ class FlashMLAFwd:
         out, _, _ = self.fm.flash_mla_sparse_fwd(qp, kv, self.idx, scale, d_v=512, use_legacy=True)
         return out
 
+    def with_lse(self, qp, kv, scale):
+        """(out, lse) for the caller's heads, lse in log2 as TileLang's kernels give it (FlashMLA's
+        is natural-log)."""
+        out, _, lse = self.fm.flash_mla_sparse_fwd(qp, kv, self.idx, scale, d_v=512, use_legacy=True)
+        return out[:, : self.heads], lse[:, : self.heads] / math.log(2)
+
 
 def timed(call, reps):
     times = []

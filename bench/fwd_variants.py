@@ -14,7 +14,6 @@ DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish.
 """
 import argparse
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -91,16 +90,13 @@ def main():
 
     import torch
 
-    from bench import timed
+    from bench import FlashMLAFwd, flash_mla, timed
     from sparse_ref import kpool_indices, rel_l2, sparse_attention_reference
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_fwd as fwd_mod,
     )
 
-    try:
-        import flash_mla as fm
-    except Exception as exc:  # noqa: BLE001
-        fm, fm_reason = None, f"{type(exc).__name__}: {exc}"
+    fm, fm_reason = flash_mla()
     sink = open(out_dir / "fwd-variants.jsonl", "a")
 
     def emit(row):
@@ -119,24 +115,27 @@ def main():
             q = (torch.randn(1, s, heads, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
             kv = (torch.randn(1, s, 1, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
             ref, ref_ms = None, None
+            # sampled rows against the FP32 reference (dense scores over the sampled rows only), so
+            # a kernel that leaves part of its output unwritten cannot pass by inheriting an
+            # earlier variant's memory
+            rows = torch.arange(0, s, max(1, s // 64), device=dev)
+            ref_rows = sparse_attention_reference(q[:, rows], kv, idx[:, rows], SCALE)
             for name in args.variants:
                 if name == "ws3" and heads != 16:
                     continue
                 row = dict(name=name, heads=heads, seqlen=s, topk=TOPK)
                 if name == "flashmla":
                     if fm is None:
-                        row["skipped"] = f"flash_mla not importable: {fm_reason}"
+                        row["skipped"] = fm_reason
                         emit(row)
                         continue
-                    hp = max(64, 64 * math.ceil(heads / 64))
-                    qp = torch.nn.functional.pad(q[0], (0, 0, 0, hp - heads)).contiguous()
-                    ip = torch.nn.functional.pad(idx[0], (0, -TOPK % 128), value=-1).contiguous()
-                    kv0 = kv[0].contiguous()
+                    # bench.py's shape rules: heads padded to 64, top-k to 128 with -1
+                    f = FlashMLAFwd(fm, heads, idx[:, :, 0])
+                    qp, kv0 = f.prepare(q.transpose(0, 1), kv.transpose(0, 1))
 
-                    def fn():
-                        o, _, l = fm.flash_mla_sparse_fwd(qp, kv0, ip, SCALE, d_v=512, use_legacy=True)
-                        # natural-log LSE -> log2, heads unpadded, batch dim back
-                        return o[None, :, :heads], (l[:, :heads] / math.log(2))[None]
+                    def fn(f=f, qp=qp, kv0=kv0):
+                        o, l = f.with_lse(qp, kv0, SCALE)
+                        return o[None], l[None]  # batch dim back
                 else:
                     def fn(name=name):
                         return call(fwd_mod, name, q, kv, idx)
@@ -147,11 +146,6 @@ def main():
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     emit(row)
                     continue
-                # sampled rows against the FP32 reference (dense scores over the sampled rows
-                # only), so a kernel that leaves part of its output unwritten cannot pass by
-                # inheriting an earlier variant's memory
-                rows = torch.arange(0, s, max(1, s // 64), device=dev)
-                ref_rows = sparse_attention_reference(q[:, rows], kv, idx[:, rows], SCALE)
                 row["sampled_rows_rel_l2_vs_fp32"] = rel_l2(out[:, rows], ref_rows)
                 times = timed(fn, args.reps)
                 row["fwd_ms"] = statistics.median(times)
