@@ -39,22 +39,35 @@ def work(args):
     return f"heads {heads} width {width} topk {topk} route {route or '-'}: {time.perf_counter() - t0:.1f} s"
 
 
-def compile_in_processes(fn, jobs):
+def compile_in_processes(fn, jobs, timeout=None):
     """Run fn(job + (cache_dir,)) for each job in spawned processes, each with its own TileLang
     cache folder (no two processes write one entry), print what fn returns, then merge the
-    folders into TileLang's cache. Returns the number of processes."""
+    folders into TileLang's cache. With a timeout (seconds, all jobs together) the jobs still
+    running then are reported and killed: a kernel that hangs on the GPU costs that, not the
+    whole run. Returns the number of processes and the jobs (as given) that did not finish."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="tl-precompile-"))
-    jobs = [tuple(job) + (str(tmp / f"c{i}"),) for i, job in enumerate(jobs)]
+    given = [tuple(job) for job in jobs]
+    jobs = [job + (str(tmp / f"c{i}"),) for i, job in enumerate(given)]
     procs = min(len(jobs), max(1, (os.cpu_count() or 2) - 2))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    unfinished = []
     with mp.get_context("spawn").Pool(procs) as pool:
-        for line in pool.imap_unordered(fn, jobs):
-            print(line, flush=True)
+        pending = [(job, pool.apply_async(fn, (full,))) for job, full in zip(given, jobs)]
+        for job, res in pending:
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                print(res.get(left), flush=True)
+            except mp.TimeoutError:
+                print(f"job {job}: not finished after {timeout} s (hung?), killed", flush=True)
+                unfinished.append(job)
+        if unfinished:
+            pool.terminate()
     dest = pathlib.Path(os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache")))
     dest.mkdir(parents=True, exist_ok=True)
     for c in tmp.iterdir():
         shutil.copytree(c, dest, dirs_exist_ok=True)
     shutil.rmtree(tmp)
-    return procs
+    return procs, unfinished
 
 
 def main():
@@ -64,7 +77,7 @@ def main():
     configs = [(w, t, None) for w, t in PADDED] + ([(w, t, "native") for w, t in NATIVE] if native else [])
     jobs = [(h, w, t, route) for h in (16, 32, 64) for w, t, route in configs]
     t0 = time.perf_counter()
-    procs = compile_in_processes(work, jobs)
+    procs, _ = compile_in_processes(work, jobs)
     print(f"precompiled {len(jobs)} configurations in {time.perf_counter() - t0:.0f} s with {procs} processes")
 
 

@@ -234,6 +234,21 @@ needs_ws = pytest.mark.skipif(
 SM90A_TARGET = '{"kind": "cuda", "arch": "sm_90a"}'  # setmaxnreg (warp specialization) needs sm_90a
 
 
+def _check_setmaxnreg_budget(src):
+    """setmaxnreg.inc blocks until the CTA's pool has the registers: what the consumer
+    warpgroups add over the launch allocation must fit in what the producer gives back, or
+    the kernel hangs on its first instruction (a wip draft did, on the H200)."""
+    import re
+
+    threads = int(re.search(r"__launch_bounds__\((\d+)", src).group(1))
+    start = 65536 // threads // 8 * 8  # registers a thread gets at launch (168 at 384 threads)
+    inc = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
+    dec = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
+    assert inc and dec, "no setmaxnreg in a warp-specialized kernel"
+    assert all(n % 8 == 0 and 24 <= n <= 256 for n in inc + dec)
+    assert sum(n - start for n in inc) <= sum(start - n for n in dec), (start, inc, dec)
+
+
 @needs_tilelang
 @needs_nvcc
 @needs_ws
@@ -264,6 +279,7 @@ def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers):
     assert "alpha_shared" in consumer1 and "sumexp_shared" in consumer1
     assert "Output + " in consumer1
     assert _has_sm90_mma(src)
+    _check_setmaxnreg_budget(src)
     assert src.count("mbarrier_cp_async_arrive_noinc") == buffers  # one per buffer
     # Q + the KV buffers + the bf16 score tile, within Hopper's per-block maximum
     assert _only_smem(smem) >= 2 * (heads * D_V + buffers * BLOCK_I * D_V + heads * BLOCK_I)
