@@ -9,7 +9,7 @@ the FP32 reference (two rows with no valid index must give exactly zero), then i
 Variants: pipelined (0030/0050's kernel as shipped), pipe_s3 / pipe_bi32_s4 / pipe_t128 (the
 same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
-with three, 16 heads only), flashmla. Writes
+with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish.
 """
 import argparse
@@ -34,21 +34,11 @@ VARIANTS = {
     "pipe_bi32_s4": ("0", dict(block_I=32, num_stages=4)),
     "pipe_t128": ("0", dict(threads=128)),
     "ws": ("1", {}),  # two KV buffers
-    "ws3": ("1", {}),  # three KV buffers (16 heads only: 218 KB of shared memory)
-    # wip/0080 (WIP_PATCHES): WG0 scores + softmax, WG1 the whole P.V, indices loaded ahead
-    "ws2q": ("2", {}),
-    "ws3q": ("2", {}),  # three KV buffers, 16 heads only
-    "ws2qr": ("3", {}),  # and Q kept in WG0's registers
-    "ws3qr": ("3", {}),
-    "ws2qs": ("4", {}),  # and the scores in two accumulators (two MMA chains of 16 steps)
-    "ws3qs": ("4", {}),
-    "ws2qsl": ("5", {}),  # and the row sums reduced across warps once, after the loop
-    "ws3qsl": ("5", {}),
-    # timing probes of ws3qsl (wrong output by design): no gather, or no GEMMs
-    "probe3math": ("8", {}),
-    "probe3gather": ("9", {}),
+    "ws3": ("1", {}),  # three KV buffers (16 heads only: 221 KB of shared memory)
+    "ws_c2": ("1", {}),  # the score GEMM in two MMA chains instead of four
+    "ws3_c2": ("1", {}),
 }
-THREE_BUFFERS = ("ws3", "ws3q", "ws3qr", "ws3qs", "ws3qsl", "probe3math", "probe3gather")  # 16 heads only
+THREE_BUFFERS = ("ws3", "ws3_c2")  # 16 heads only
 
 
 def call(fwd_mod, name, q, kv, idx):
@@ -56,6 +46,7 @@ def call(fwd_mod, name, q, kv, idx):
     os.environ[ENV] = flag
     if name.startswith("ws"):
         os.environ[ENV + "_BUFFERS"] = "3" if name in THREE_BUFFERS else "2"
+        os.environ[ENV + "_CHAINS"] = "2" if name.endswith("_c2") else "4"
     return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
 

@@ -58,7 +58,7 @@ if hasattr(fwd_mod, "sparse_mla_fwd_nope_ws"):  # 0070
     CONFIGS.update({
         f"fwd512_h{h}_ws{nb}": (lambda h=h, nb=nb: fwd_mod.sparse_mla_fwd_nope_ws(
             h, 512, -(-2051 // (64 * nb)) * 64 * nb, SCALE, num_buffers=nb))
-        for h, nb in ((16, 2), (16, 3), (32, 2), (64, 2))
+        for h, nb in ((16, 2), (16, 3), (32, 2))
     })
 
 

@@ -16,6 +16,7 @@ Needs tilelang (both parts) and nvcc (part 1); skipped with the reason otherwise
 """
 import inspect
 import os
+import re
 import shutil
 import time
 
@@ -238,8 +239,6 @@ def _check_setmaxnreg_budget(src):
     """setmaxnreg.inc blocks until the CTA's pool has the registers: what the consumer
     warpgroups add over the launch allocation must fit in what the producer gives back, or
     the kernel hangs on its first instruction (a wip draft did, on the H200)."""
-    import re
-
     threads = int(re.search(r"__launch_bounds__\((\d+)", src).group(1))
     start = 65536 // threads // 8 * 8  # registers a thread gets at launch (168 at 384 threads)
     inc = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
@@ -252,37 +251,45 @@ def _check_setmaxnreg_budget(src):
 @needs_tilelang
 @needs_nvcc
 @needs_ws
-@pytest.mark.parametrize("heads,buffers", [(16, 3), (64, 2)])
-def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers):
+@pytest.mark.parametrize("heads,buffers,chains", [(16, 3, 4), (32, 2, 4), (16, 3, 2)])
+def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers, chains):
     """0070: three warpgroups (384 threads). The gather warpgroup issues zero-filling cp.async
     and hands buffers over with mbarriers; neither it nor the second consumer shares a named
-    barrier with the first consumer (a shared id hung the first draft on the H200)."""
+    barrier with the first consumer (a shared id hung an early draft on the H200). WG0 runs the
+    score GEMM in `chains` independent MMA chains and the softmax; WG1 the whole P.V."""
     os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # the sm90 fixture restores it
     topk = _round_up(2051, buffers * BLOCK_I)
     try:
-        src, smem, _ = sm90(f"fwd_ws h{heads} topk {topk} buffers {buffers} sm_90a",
+        src, smem, _ = sm90(f"fwd_ws h{heads} topk {topk} buffers {buffers} chains {chains} sm_90a",
                             fwd_mod.sparse_mla_fwd_nope_ws, heads, D_V, topk, None,
-                            block_I=BLOCK_I, num_buffers=buffers)
+                            block_I=BLOCK_I, num_buffers=buffers, qk_chains=chains)
     finally:
         os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
     assert "__launch_bounds__(384" in src
     assert "_tail" not in src and "(int64_t)576" not in src  # no tail, no 576-wide row
     assert "int topk_len" in src
     assert "cp_async_gs_conditional<16>" in src and "mbarrier_cp_async_arrive_noinc" in src
-    consumers1_and_producer = src.split("warpgroup_reg_alloc<168>", 1)[1]
-    assert "warpgroup_reg_dealloc<80>" in consumers1_and_producer
-    assert "__sync_thread_partial" not in consumers1_and_producer
-    assert "__syncthreads" not in consumers1_and_producer
-    # the second consumer rescales its half by WG0's alpha, divides by WG0's sum and stores it
-    # (with a fragment shared with WG0, TileLang dropped all three: half the output unwritten)
-    consumer1 = consumers1_and_producer.split("warpgroup_reg_dealloc<80>", 1)[0]
-    assert "alpha_shared" in consumer1 and "sumexp_shared" in consumer1
-    assert "Output + " in consumer1
-    assert _has_sm90_mma(src)
     _check_setmaxnreg_budget(src)
+    wg0, rest = src.split("warpgroup_reg_alloc<232>", 1)
+    wg1, producer = rest.split("warpgroup_reg_dealloc<80>", 1)
+    for other in (wg1, producer):  # WG0's reductions use named barriers; nobody else may
+        assert "__sync_thread_partial" not in other and "__syncthreads" not in other
+    # WG1 rescales the whole output by WG0's alpha, divides by WG0's sum and stores both
+    # halves (with a fragment shared with WG0, TileLang dropped all three in a draft)
+    alphas = set(re.findall(r"\(\(float\*\)(v_\d+)\)", wg0))  # one fp32 alpha tile per buffer
+    assert len(alphas) == buffers and set(re.findall(r"\(\(float\*\)(v_\d+)\)", wg1)) == alphas
+    assert "sumexp_shared" in wg1
+    assert wg1.count("Output + ") == 2 and "Output + " not in wg0
+    assert "Lse[" in wg0
+    assert _has_sm90_mma(src)
+    # per buffer: WG0's score GEMM in `chains` accumulators of 2 n8 tiles a warp, WG1's P.V in
+    # 2 halves of 8 (16 heads) or 16 (32 heads) n8 tiles... counted as mma_sync call sites
+    assert wg0.count("mma_sync") == buffers * chains * 2
     assert src.count("mbarrier_cp_async_arrive_noinc") == buffers  # one per buffer
-    # Q + the KV buffers + the bf16 score tile, within Hopper's per-block maximum
-    assert _only_smem(smem) >= 2 * (heads * D_V + buffers * BLOCK_I * D_V + heads * BLOCK_I)
+    # the producer loads the next block's indices after issuing a buffer (not before each row)
+    assert producer.count("Indices[") == buffers + 1
+    # Q + the KV buffers + the bf16 probability tiles, within Hopper's per-block maximum
+    assert _only_smem(smem) >= 2 * (heads * D_V + buffers * BLOCK_I * D_V + buffers * heads * BLOCK_I)
     assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
 
 
@@ -346,10 +353,10 @@ class KernelFakes:
 
         return kernel
 
-    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers):
+    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers, qk_chains=4):
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True)
-        self.builds[-1].update(kind="fwd_ws", num_buffers=num_buffers)
+        self.builds[-1].update(kind="fwd_ws", num_buffers=num_buffers, qk_chains=qk_chains)
         return kernel
 
     def get_pre(self, H, D):
@@ -563,12 +570,14 @@ def test_native_schedule_switch(fakes, monkeypatch, heads, threads, schedule):
 @pytest.mark.parametrize("ws", [None, "1", "0"])
 def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kernel_heads, ws):
     """0070: the native route's forward is the warp-specialized kernel at 16 and 32 kernel heads
-    (3 KV buffers at 16, 2 at 32; built for top-k rounded to a whole number of buffer rounds of
-    64 indices, taking the caller's q, kv and indices) and the pipelined one from 64 heads;
-    MCORE_DSA_TILELANG_NATIVE_FWD_WS=0 gives the pipelined one everywhere, =1 the
-    warp-specialized one everywhere. The backward is the same either way."""
+    (3 KV buffers at 16, 2 at 32, four score MMA chains; built for top-k rounded to a whole
+    number of buffer rounds of 64 indices, taking the caller's q, kv and indices) and the
+    pipelined one from 64 heads (its second consumer holds the whole output: no room at 64);
+    MCORE_DSA_TILELANG_NATIVE_FWD_WS=0 gives the pipelined one everywhere, =1 is the default.
+    The backward is the same either way."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
     monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_BUFFERS", raising=False)
+    monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_CHAINS", raising=False)
     if ws is None:
         monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS", raising=False)
     else:
@@ -576,14 +585,14 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    on = ws == "1" or (ws is None and kernel_heads in (16, 32))
+    on = ws != "0" and kernel_heads in (16, 32)
     fwd = [b for b in fakes.builds if b["kind"] in ("fwd", "fwd_ws")]
     assert {b["kind"] for b in fwd} == {"fwd_ws" if on else "fwd"}
     assert fwd[0]["heads"] == kernel_heads and fwd[0]["tail_dim"] == 0
     buffers = 3 if kernel_heads == 16 else 2
     assert fwd[0]["topk"] == _round_up(topk, buffers * BLOCK_I if on else BLOCK_I)
     if on:
-        assert fwd[0]["num_buffers"] == buffers
+        assert fwd[0]["num_buffers"] == buffers and fwd[0]["qk_chains"] == 4
     first = fakes.calls[0]
     assert first["kind"] == "fwd" and first["indices"].data_ptr() == idx.data_ptr()
     assert first["kv"].data_ptr() == key.data_ptr()
