@@ -1,7 +1,7 @@
 """H200 benchmark of the DSA sparse-attention paths, side by side in one run (a benchmark, not a
 test). Writes JSONL rows, a markdown table and a PNG plot.
 
-  python bench/bench.py --out DIR [--quick]
+  python bench/bench.py --out DIR [--quick] [--configs 16:32768 ...] [--rows native_fwd ...]
 
 Each row: median (and min) of --reps timed calls after one warm-up call, CUDA events; peak memory
 allocated during warm-up + timed calls above what was allocated before (the inputs, the output
@@ -154,6 +154,8 @@ def run(args):
     torch.manual_seed(0)
     lengths16 = [4096, 8192, 16384, 32768, 65536] if not args.quick else [4096, 32768]
     configs = [(16, L) for L in lengths16] + [(h, 32768) for h in (8, 32, 64)]
+    if args.configs:  # a subset, as HEADS:TOKENS
+        configs = [tuple(int(x) for x in c.split(":")) for c in args.configs]
     fm, fm_reason = flash_mla()
     native = has_native()
     rows, notes = [], []
@@ -191,6 +193,8 @@ def run(args):
             return make
 
         def add(name, width, topk_width, make, fwd_only=False):
+            if args.rows and name not in args.rows:
+                return {}
             rows.append(measure(name, width, heads, L, topk_width, make, args.reps, fwd_only))
             return rows[-1]
 
@@ -199,7 +203,7 @@ def run(args):
             notes.append(f"dense {heads} heads {L}: not run (OOM at {dense_oom[heads]})")
         else:
             r = add("dense", 512, 2051, fwd_bwd(dense_fn, q512, k512, idx))
-            if r["oom"]:
+            if r.get("oom"):
                 dense_oom[heads] = L
         # stock DeepSeek-V3.2 layout: 576 wide, top-k 2048 (the pools, without the tail pool)
         q576 = torch.randn(L, 1, heads, 576, generator=g, device=DEV).to(torch.bfloat16)
@@ -222,7 +226,7 @@ def run(args):
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)
-        if fm is not None:
+        if fm is not None and (not args.rows or "flashmla_fwd" in args.rows):
             with torch.no_grad():
                 os.environ[NOPE_ENV] = "padded"
                 ours = hook_fn(heads, "padded")(q512, k512, idx, scale)
@@ -301,6 +305,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--configs", nargs="*", help="only these HEADS:TOKENS, e.g. 16:32768")
+    ap.add_argument("--rows", nargs="*", help="only these row names, e.g. native_fwd flashmla_fwd")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ if has upstream; then
   done
 fi
 if has bench; then
-  "$py" bench/bench.py --out "$out" 2>&1 | tee "$out/bench.log" || rc=1
+  "$py" bench/bench.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || rc=1
   summary="$summary; bench: $(wc -l <"$out/h200-bench.jsonl" 2>/dev/null || echo 0) rows in $out"
 fi
 echo "SUMMARY: $summary (exit $rc)"
