@@ -37,16 +37,22 @@ VARIANTS = {
     "ws3": ("1", {}),  # three KV buffers (16 heads only: 221 KB of shared memory)
     "ws_c2": ("1", {}),  # the score GEMM in two MMA chains instead of four
     "ws3_c2": ("1", {}),
+    # wip/0080 timing probes of ws3 (WIP_PATCHES=; wrong output by design): no GEMMs, no loads
+    "probe3_gather": ("1", {}),
+    "probe3_math": ("1", {}),
 }
-THREE_BUFFERS = ("ws3", "ws3_c2")  # 16 heads only
+THREE_BUFFERS = ("ws3", "ws3_c2", "probe3_gather", "probe3_math")  # 16 heads only
 
 
 def call(fwd_mod, name, q, kv, idx):
     flag, kw = VARIANTS[name]
     os.environ[ENV] = flag
-    if name.startswith("ws"):
+    if name.startswith(("ws", "probe")):
         os.environ[ENV + "_BUFFERS"] = "3" if name in THREE_BUFFERS else "2"
         os.environ[ENV + "_CHAINS"] = "2" if name.endswith("_c2") else "4"
+    os.environ[ENV + "_PROBE"] = name.split("_")[1] if name.startswith("probe") else ""
+    if name.startswith("probe") and not hasattr(fwd_mod, "_nope_ws_probe"):
+        raise RuntimeError("timing probes need wip/0080-ws-timing-probes.patch (WIP_PATCHES=)")
     return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
 
