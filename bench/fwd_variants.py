@@ -40,8 +40,10 @@ VARIANTS = {
     # wip/0080 timing probes of ws3 (WIP_PATCHES=; wrong output by design): no GEMMs, no loads
     "probe3_gather": ("1", {}),
     "probe3_math": ("1", {}),
+    # wip/0090 (on top of 0080): ws3 with the L2::128B prefetch hint on the gather
+    "ws3_l2": ("1", {}),
 }
-THREE_BUFFERS = ("ws3", "ws3_c2", "probe3_gather", "probe3_math")  # 16 heads only
+THREE_BUFFERS = ("ws3", "ws3_c2", "probe3_gather", "probe3_math", "ws3_l2")  # 16 heads only
 
 
 def call(fwd_mod, name, q, kv, idx):
@@ -53,6 +55,9 @@ def call(fwd_mod, name, q, kv, idx):
     os.environ[ENV + "_PROBE"] = name.split("_")[1] if name.startswith("probe") else ""
     if name.startswith("probe") and not hasattr(fwd_mod, "_nope_ws_probe"):
         raise RuntimeError("timing probes need wip/0080-ws-timing-probes.patch (WIP_PATCHES=)")
+    os.environ[ENV + "_L2"] = "1" if name.endswith("_l2") else ""
+    if name.endswith("_l2") and not hasattr(fwd_mod, "sparse_mla_fwd_nope_ws_l2"):
+        raise RuntimeError("ws3_l2 needs wip/0090-ws-l2-prefetch.patch (WIP_PATCHES=)")
     return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
 
