@@ -9,8 +9,10 @@ the FP32 reference (two rows with no valid index must give exactly zero), then i
 Variants: pipelined (0030/0050's kernel as shipped), pipe_s3 / pipe_bi32_s4 / pipe_t128 (the
 same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
-with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four), flashmla. Writes
-DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish.
+with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
+query instead of persistent), flashmla. Writes
+DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
+every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
 import argparse
 import json
@@ -37,27 +39,20 @@ VARIANTS = {
     "ws3": ("1", {}),  # three KV buffers (16 heads only: 221 KB of shared memory)
     "ws_c2": ("1", {}),  # the score GEMM in two MMA chains instead of four
     "ws3_c2": ("1", {}),
-    # wip/0080 timing probes of ws3 (WIP_PATCHES=; wrong output by design): no GEMMs, no loads
-    "probe3_gather": ("1", {}),
-    "probe3_math": ("1", {}),
-    # wip/0090 (on top of 0080): ws3 with the L2::128B prefetch hint on the gather
-    "ws3_l2": ("1", {}),
+    # the same kernels with a CTA per query instead of persistent (..._WS_PERSIST=0)
+    "ws_np": ("1", {}),
+    "ws3_np": ("1", {}),
 }
-THREE_BUFFERS = ("ws3", "ws3_c2", "probe3_gather", "probe3_math", "ws3_l2")  # 16 heads only
+THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
 
 
 def call(fwd_mod, name, q, kv, idx):
     flag, kw = VARIANTS[name]
     os.environ[ENV] = flag
-    if name.startswith(("ws", "probe")):
+    if name.startswith("ws"):
         os.environ[ENV + "_BUFFERS"] = "3" if name in THREE_BUFFERS else "2"
         os.environ[ENV + "_CHAINS"] = "2" if name.endswith("_c2") else "4"
-    os.environ[ENV + "_PROBE"] = name.split("_")[1] if name.startswith("probe") else ""
-    if name.startswith("probe") and not hasattr(fwd_mod, "_nope_ws_probe"):
-        raise RuntimeError("timing probes need wip/0080-ws-timing-probes.patch (WIP_PATCHES=)")
-    os.environ[ENV + "_L2"] = "1" if name.endswith("_l2") else ""
-    if name.endswith("_l2") and not hasattr(fwd_mod, "sparse_mla_fwd_nope_ws_l2"):
-        raise RuntimeError("ws3_l2 needs wip/0090-ws-l2-prefetch.patch (WIP_PATCHES=)")
+    os.environ[ENV + "_PERSIST"] = "0" if name.endswith("_np") else ""
     return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
 
@@ -90,6 +85,8 @@ def main():
     ap.add_argument("--heads", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--variants", nargs="*", default=["pipelined", "ws", "flashmla"])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant this many times, interleaved (round r: all variants once)")
     ap.add_argument("--precompile", action="store_true", help="compile every kernel first, in parallel")
     ap.add_argument("--precompile-timeout", type=float, default=180,
                     help="seconds for all compile jobs; a variant whose job has not returned is skipped")
@@ -140,10 +137,23 @@ def main():
             # earlier variant's memory
             rows = torch.arange(0, s, max(1, s // 64), device=dev)
             ref_rows = sparse_attention_reference(q[:, rows], kv, idx[:, rows], SCALE)
-            for name in args.variants:
+            checked = {}
+            for rnd, name in [(r, n) for r in range(args.rounds) for n in args.variants]:
                 if name in THREE_BUFFERS and heads != 16:
                     continue
                 row = dict(name=name, heads=heads, seqlen=s, topk=TOPK)
+                if args.rounds > 1:
+                    row["round"] = rnd
+                if rnd > 0:  # checked in round 0: only timed again
+                    if name not in checked:
+                        continue
+                    fn = checked[name]
+                    times = timed(fn, args.reps)
+                    torch.cuda.empty_cache()
+                    row["fwd_ms"] = statistics.median(times)
+                    row["fwd_ms_min"] = min(times)
+                    emit(row)
+                    continue
                 if (heads, name) in skip:
                     row["skipped"] = "its first call did not return in the precompile step (hang)"
                     emit(row)
@@ -189,6 +199,7 @@ def main():
                     row["lse_max_abs_diff"] = (lse.float() - l0.float())[ok].abs().max().item()
                     row["ratio"] = row["fwd_ms"] / ref_ms
                 emit(row)
+                checked[name] = fn
                 out.fill_(float("nan"))  # poison: the next variant's output may reuse this memory
                 del out, lse
             del q, kv, ref

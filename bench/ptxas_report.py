@@ -56,9 +56,9 @@ CONFIGS = {
 }
 if hasattr(fwd_mod, "sparse_mla_fwd_nope_ws"):  # 0070
     CONFIGS.update({
-        f"fwd512_h{h}_ws{nb}": (lambda h=h, nb=nb: fwd_mod.sparse_mla_fwd_nope_ws(
-            h, 512, -(-2051 // (64 * nb)) * 64 * nb, SCALE, num_buffers=nb))
-        for h, nb in ((16, 2), (16, 3), (32, 2))
+        f"fwd512_h{h}_ws{nb}_ctas{c}": (lambda h=h, nb=nb, c=c: fwd_mod.sparse_mla_fwd_nope_ws(
+            h, 512, -(-2051 // (64 * nb)) * 64 * nb, SCALE, num_buffers=nb, ctas=c))
+        for h, nb, c in ((16, 3, 132), (32, 2, 132), (16, 3, 0))
     })
 
 

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import time
+import types
 
 import pytest
 import torch
@@ -251,21 +252,30 @@ def _check_setmaxnreg_budget(src):
 @needs_tilelang
 @needs_nvcc
 @needs_ws
-@pytest.mark.parametrize("heads,buffers,chains", [(16, 3, 4), (32, 2, 4), (16, 3, 2)])
-def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers, chains):
+@pytest.mark.parametrize("heads,buffers,chains,ctas", [(16, 3, 4, 132), (32, 2, 4, 0), (16, 3, 2, 0)])
+def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers, chains, ctas):
     """0070: three warpgroups (384 threads). The gather warpgroup issues zero-filling cp.async
     and hands buffers over with mbarriers; neither it nor the second consumer shares a named
     barrier with the first consumer (a shared id hung an early draft on the H200). WG0 runs the
-    score GEMM in `chains` independent MMA chains and the softmax; WG1 the whole P.V."""
+    score GEMM in `chains` independent MMA chains and the softmax; WG1 the whole P.V. Each
+    warpgroup loops over its CTA's queries when persistent (ctas CTAs); with ctas = 0, a CTA a
+    query, there is no query loop at all."""
     os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # the sm90 fixture restores it
     topk = _round_up(2051, buffers * BLOCK_I)
     try:
-        src, smem, _ = sm90(f"fwd_ws h{heads} topk {topk} buffers {buffers} chains {chains} sm_90a",
+        src, smem, _ = sm90(f"fwd_ws h{heads} topk {topk} buffers {buffers} chains {chains} ctas {ctas} sm_90a",
                             fwd_mod.sparse_mla_fwd_nope_ws, heads, D_V, topk, None,
-                            block_I=BLOCK_I, num_buffers=buffers, qk_chains=chains)
+                            block_I=BLOCK_I, num_buffers=buffers, qk_chains=chains, ctas=ctas)
     finally:
         os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
     assert "__launch_bounds__(384" in src
+    # persistent: the query loop in all three warpgroups, striding by the CTA count; a query's
+    # (batch, position) is worked out once a query: a division by seq_len inside the index
+    # expressions (64-bit, an element) made a draft 1.8x slower on the H200
+    assert len(re.findall(r"for \(int q_it(_\d+)? = 0;", src)) == (3 if ctas else 0)
+    assert (f"* {ctas})" in src) == bool(ctas)
+    assert ("blockIdx.y" in src) == (not ctas)  # a CTA a query: (position, batch) = blockIdx
+    assert "/ ((int64_t)seq_len)" not in src and "% ((int64_t)seq_len)" not in src
     assert "_tail" not in src and "(int64_t)576" not in src  # no tail, no 576-wide row
     assert "int topk_len" in src
     assert "cp_async_gs_conditional<16>" in src and "mbarrier_cp_async_arrive_noinc" in src
@@ -353,10 +363,11 @@ class KernelFakes:
 
         return kernel
 
-    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers, qk_chains=4):
+    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers, qk_chains=4, ctas=0):
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True)
-        self.builds[-1].update(kind="fwd_ws", num_buffers=num_buffers, qk_chains=qk_chains)
+        self.builds[-1].update(kind="fwd_ws", num_buffers=num_buffers, qk_chains=qk_chains,
+                               ctas=ctas)
         return kernel
 
     def get_pre(self, H, D):
@@ -568,13 +579,15 @@ def test_native_schedule_switch(fakes, monkeypatch, heads, threads, schedule):
 @needs_ws
 @pytest.mark.parametrize("heads,kernel_heads", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 128)])
 @pytest.mark.parametrize("ws", [None, "1", "0"])
-def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kernel_heads, ws):
+@pytest.mark.parametrize("persist", [None, "0"])
+def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kernel_heads, ws, persist):
     """0070: the native route's forward is the warp-specialized kernel at 16 and 32 kernel heads
     (3 KV buffers at 16, 2 at 32, four score MMA chains; built for top-k rounded to a whole
     number of buffer rounds of 64 indices, taking the caller's q, kv and indices) and the
     pipelined one from 64 heads (its second consumer holds the whole output: no room at 64);
     MCORE_DSA_TILELANG_NATIVE_FWD_WS=0 gives the pipelined one everywhere, =1 is the default.
-    The backward is the same either way."""
+    At 16 kernel heads it is persistent, one CTA per SM of the input's device, unless
+    MCORE_DSA_TILELANG_NATIVE_FWD_WS_PERSIST=0; at 32 a CTA a query. The backward is the same."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
     monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_BUFFERS", raising=False)
     monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_CHAINS", raising=False)
@@ -582,6 +595,17 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
         monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS", raising=False)
     else:
         monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS", ws)
+    if persist is None:
+        monkeypatch.delenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_PERSIST", raising=False)
+    else:
+        monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_PERSIST", persist)
+    asked = []  # the CPU inputs stand for a device with 7 SMs
+
+    def props(device):
+        asked.append(torch.device(device))
+        return types.SimpleNamespace(multi_processor_count=7)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     out, grad, _ = _run_hook(fakes, query, key, idx, scale)
@@ -593,6 +617,9 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     assert fwd[0]["topk"] == _round_up(topk, buffers * BLOCK_I if on else BLOCK_I)
     if on:
         assert fwd[0]["num_buffers"] == buffers and fwd[0]["qk_chains"] == 4
+        persistent = persist != "0" and kernel_heads == 16
+        assert fwd[0]["ctas"] == (7 if persistent else 0)
+        assert set(asked) == ({query.device} if persistent else set())
     first = fakes.calls[0]
     assert first["kind"] == "fwd" and first["indices"].data_ptr() == idx.data_ptr()
     assert first["kv"].data_ptr() == key.data_ptr()

@@ -167,3 +167,30 @@ def test_native_saved_output_matches_recompute(monkeypatch, heads):
     assert rel_l2(dk_s, dk_r) < 1e-3
     for r in empty:
         assert torch.count_nonzero(out_s[r]) == 0 and torch.count_nonzero(dq_s[r]) == 0
+
+
+@pytest.mark.parametrize("heads,persist", [(16, "1"), (16, "0"), (32, "1")])
+def test_native_batch_of_two_matches_fp32_reference(monkeypatch, heads, persist):
+    """0070's forward at 16 heads walks the queries of the flattened batch x sequence
+    (persistent, the default: 400 queries over one CTA an SM, so a CTA's queries cross the batch
+    boundary); at 32 heads and with MCORE_DSA_TILELANG_NATIVE_FWD_WS_PERSIST=0, a CTA a query.
+    Each batch element against its own FP32 reference: output and gradients, and a row with no
+    valid index exactly zero."""
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_PERSIST", persist)
+    sq, batch = 200, 2
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
+    k = torch.randn(sq, batch, 1, 512, generator=g).to(DEV, torch.bfloat16)
+    do = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
+    idx = torch.stack([causal_random_indices(sq, sq, 2051, g) for _ in range(batch)]).to(DEV)
+    idx[1, 7] = -1
+    got = run_fused(q, k, idx, do)
+    for b in range(batch):
+        ref = run_reference(q[:, b:b + 1], k[:, b:b + 1], idx[b:b + 1], do[:, b:b + 1])
+        for name, a, r in zip(("out", "dq", "dk"), got, ref):
+            a = a[:, b:b + 1]
+            assert a.shape == r.shape, name
+            err = rel_l2(a, r)
+            assert err < TOL, f"batch {b} {name}: relative L2 error {err:.2e}"
+    assert torch.count_nonzero(got[0][7, 1]) == 0 and torch.count_nonzero(got[1][7, 1]) == 0
