@@ -42,6 +42,10 @@ VARIANTS = {
     # the same kernels with a CTA per query instead of persistent (..._WS_PERSIST=0)
     "ws_np": ("1", {}),
     "ws3_np": ("1", {}),
+    # wip/0080 (WIP_PATCHES=): the same kernels with both GEMMs on wgmma (..._WS_MMA=wgmma)
+    "ws3_w": ("1", {}),
+    "ws3_w_np": ("1", {}),
+    "ws_w": ("1", {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
 
@@ -53,6 +57,10 @@ def call(fwd_mod, name, q, kv, idx):
         os.environ[ENV + "_BUFFERS"] = "3" if name in THREE_BUFFERS else "2"
         os.environ[ENV + "_CHAINS"] = "2" if name.endswith("_c2") else "4"
     os.environ[ENV + "_PERSIST"] = "0" if name.endswith("_np") else ""
+    wgmma = "w" in name.split("_")
+    os.environ[ENV + "_MMA"] = "wgmma" if wgmma else ""
+    if wgmma and not hasattr(fwd_mod, "sparse_mla_fwd_nope_ws_wgmma"):
+        raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
     return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
 
