@@ -124,6 +124,11 @@ def main():
     fm, fm_reason = flash_mla()
     sink = open(out_dir / "fwd-variants.jsonl", "a")
 
+    def time_into(row, fn):
+        times = timed(fn, args.reps)
+        row["fwd_ms"] = statistics.median(times)
+        row["fwd_ms_min"] = min(times)
+
     def emit(row):
         print(json.dumps(row), flush=True)
         sink.write(json.dumps(row) + "\n")
@@ -155,11 +160,8 @@ def main():
                 if rnd > 0:  # checked in round 0: only timed again
                     if name not in checked:
                         continue
-                    fn = checked[name]
-                    times = timed(fn, args.reps)
+                    time_into(row, checked[name])
                     torch.cuda.empty_cache()
-                    row["fwd_ms"] = statistics.median(times)
-                    row["fwd_ms_min"] = min(times)
                     emit(row)
                     continue
                 if (heads, name) in skip:
@@ -189,9 +191,7 @@ def main():
                     emit(row)
                     continue
                 row["sampled_rows_rel_l2_vs_fp32"] = rel_l2(out[:, rows], ref_rows)
-                times = timed(fn, args.reps)
-                row["fwd_ms"] = statistics.median(times)
-                row["fwd_ms_min"] = min(times)
+                time_into(row, fn)
                 row["finite"] = bool(torch.isfinite(out.float()).all())
                 row["empty_rows_zero"] = all(
                     int(torch.count_nonzero(out[0, r])) == 0 for r in empty
