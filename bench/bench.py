@@ -19,33 +19,88 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
+  cudnn / cudnn_fwd 512/2051  megatron-core's own dsa_kernel_backend="cudnn" through the same hook on
+                the same MLATransformerConfig (FlashMLA forward + cuDNN CuTe-DSL backward;
+                bench/cudnn_peer.py says what it needs); out, dq, dk checked against the native
+                route (rel_l2_*_vs_native)
+
+Every fused row runs with MCORE_DSA_REQUIRE_FUSED=1, so a decline raises instead of running the dense
+fallback. Each row has a status: ok, oom, declined or error (with the message), never a silent gap,
+and the run's provenance (megatron-core version and label, a hash of the applied patches, GPU, git
+revision, date). `--render JSONL` rewrites the table and plot from rows already measured.
 """
 import argparse
+import datetime
+import hashlib
 import json
 import math
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 from sparse_ref import kpool_indices, rel_l2  # noqa: E402
-
-from megatron.core.transformer.experimental_attention_variant import dsa, dsa_kernels  # noqa: E402
-from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa  # noqa: E402
-from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
 DEV = "cuda"
 GIB = 1024 ** 3
 NOPE_ENV = "MCORE_DSA_TILELANG_NOPE"  # native | padded (the native patches' switch)
+REQUIRE_FUSED_ENV = "MCORE_DSA_REQUIRE_FUSED"  # 0020: a decline raises instead of falling back
 SCHEDULE_ENV = "MCORE_DSA_TILELANG_NATIVE_SCHEDULE"  # 0: the native kernels without patch 0050
 SAVE_OUT_ENV = "MCORE_DSA_TILELANG_NATIVE_SAVE_OUT"  # 0: recompute out/lse in bwd (without 0060)
 
 
+def megatron():
+    """megatron-core's modules, imported when a run needs them (--render does not)."""
+    from megatron.core.transformer.experimental_attention_variant import dsa, dsa_kernels
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return dsa, dsa_kernels, tilelang_dsa, MLATransformerConfig
+
+
+def provenance():
+    """Where a row comes from: the wheel, its patches, the GPU, this repository's revision, the date."""
+    import torch
+
+    import megatron.core as mc
+
+    info = dict(megatron_core=mc.__version__, date=datetime.datetime.now(datetime.timezone.utc)
+                .strftime("%Y-%m-%dT%H:%M:%SZ"), torch=torch.__version__,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    try:
+        from megatron.core import glm53_patches as gp
+
+        info["label"] = gp.LOCAL_LABEL
+        info["patches_sha256"] = hashlib.sha256(
+            "".join(f"{n} {h}\n" for n, h in gp.PATCHES).encode()).hexdigest()[:16]
+    except ImportError:
+        info["label"] = None  # an unpatched megatron-core
+    try:
+        import tilelang
+
+        info["tilelang"] = tilelang.__version__
+    except ImportError:
+        pass
+    rev = os.environ.get("BENCH_GIT_REV")  # the tree on a GPU host has no .git: the caller says
+    if not rev:
+        try:
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            rev = "unknown"
+    info["git_rev"] = rev
+    return info
+
+
 def has_native():
+    _, _, tilelang_dsa, _ = megatron()
+
     return bool(getattr(tilelang_dsa, "NOPE_NATIVE_AVAILABLE", False))
 
 
@@ -61,27 +116,33 @@ def flash_mla():
 _CFG = {}
 
 
-def cfg(heads):
-    if heads not in _CFG:
-        _CFG[heads] = MLATransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=heads,
-                                           kv_lora_rank=512, qk_pos_emb_head_dim=0,
-                                           dsa_kernel_backend="tilelang")
-    return _CFG[heads]
+def cfg(heads, backend="tilelang"):
+    """The same MLATransformerConfig for every fused row; only dsa_kernel_backend differs."""
+    if (heads, backend) not in _CFG:
+        _CFG[heads, backend] = megatron()[3](
+            num_layers=1, hidden_size=256, num_attention_heads=heads, kv_lora_rank=512,
+            qk_pos_emb_head_dim=0, dsa_kernel_backend=backend)
+    return _CFG[heads, backend]
 
 
-def hook_fn(heads, route=None):
+class Declined(RuntimeError):
+    pass
+
+
+def hook_fn(heads, route=None, backend="tilelang"):
     def fn(q, k, idx, scale):
         if route:
             os.environ[NOPE_ENV] = route
-        out = dsa_kernels.run_fused_absorbed_sparse_attention(cfg(heads), q, k, idx, scale, 512)
+        out = megatron()[1].run_fused_absorbed_sparse_attention(cfg(heads, backend), q, k, idx,
+                                                                scale, 512)
         if out is None:
-            raise RuntimeError("fused hook declined")
+            raise Declined("fused hook declined (returned None)")
         return out
     return fn
 
 
 def dense_fn(q, k, idx, scale):
-    return dsa._unfused_absorbed_dsa_fn(q, k, idx, scale, 512)
+    return megatron()[0]._unfused_absorbed_dsa_fn(q, k, idx, scale, 512)
 
 
 class FlashMLAFwd:
@@ -108,6 +169,8 @@ class FlashMLAFwd:
 
 
 def timed(call, reps):
+    import torch
+
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,6 +183,8 @@ def timed(call, reps):
 
 
 def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
+    import torch
+
     row = dict(name=name, dim=width, width=topk_width, heads=heads, seqlen=seqlen)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -138,12 +203,18 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
         row[key] = statistics.median(times)
         row[key + "_min"] = min(times)
         row["oom"] = False
+        row["status"] = "ok"
         extra = cleanup()
         if extra:
             row.update(extra)
     except torch.OutOfMemoryError as exc:
-        row["oom"] = True
-        row["msg"] = str(exc).split("\n")[0][:200]
+        row.update(oom=True, status="oom", msg=str(exc).split("\n")[0][:200])
+    except Exception as exc:  # noqa: BLE001 (a row records why it has no number)
+        declined = isinstance(exc, Declined) or "declined" in str(exc)
+        row.update(oom=False, status="declined" if declined else "error",
+                   msg=f"{type(exc).__name__}: {exc}"[:500])
+        for k in [k for k in row if k.endswith("_ms") or k.endswith("_gib")]:
+            del row[k]  # a number taken before the failure is not the row's result
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
@@ -151,18 +222,26 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
 
 
 def run(args):
+    import torch
+
+    import cudnn_peer
+
     torch.manual_seed(0)
     lengths16 = [4096, 8192, 16384, 32768, 65536] if not args.quick else [4096, 32768]
     configs = [(16, L) for L in lengths16] + [(h, 32768) for h in (8, 32, 64)]
     if args.configs:  # a subset, as HEADS:TOKENS
         configs = [tuple(int(x) for x in c.split(":")) for c in args.configs]
+    os.environ[REQUIRE_FUSED_ENV] = "1"  # every fused row: a decline raises, no silent fallback
     fm, fm_reason = flash_mla()
+    cudnn_mod, cudnn_reason = cudnn_peer.load()
     native = has_native()
     rows, notes = [], []
     if not native:
         notes.append("native: not measured (this wheel has no native NoPE kernels)")
     if fm is None:
         notes.append(f"flashmla_fwd: skipped ({fm_reason})")
+    if cudnn_mod is None:
+        notes.append(f"cudnn, cudnn_fwd: {cudnn_reason}")
     dense_oom = {}
     idx_cache = {}
     for heads, L in configs:
@@ -177,23 +256,44 @@ def run(args):
         do = torch.randn(L, 1, heads, 512, generator=g, device=DEV).to(torch.bfloat16)
         scale = 512 ** -0.5
 
-        def fwd_bwd(fn, q0, k0, ix, fwd_only=False):
+        def fwd_bwd(fn, q0, k0, ix, fwd_only=False, ref=None):
+            """make() for measure(); with ref = (out, dq, dk) of the native route, the row gets
+            the relative L2 of its results against it, from one more call after the timed ones
+            (so holding them does not change the measured peak)."""
             def make():
                 q = q0.detach().clone().requires_grad_(not fwd_only)
                 k = k0.detach().clone().requires_grad_(not fwd_only)
 
-                def call():
+                def call(keep=None):
                     q.grad = k.grad = None
                     if fwd_only:
                         with torch.no_grad():
-                            fn(q, k, ix, scale)
+                            out = fn(q, k, ix, scale)
                     else:
-                        fn(q, k, ix, scale).backward(do)
-                return call, lambda: None
+                        out = fn(q, k, ix, scale)
+                        out.backward(do)
+                    if keep is not None:
+                        keep.update(out=out.detach(), dq=q.grad, dk=k.grad)
+
+                def check():
+                    if ref is None:
+                        return None
+                    got = {}
+                    call(got)
+                    torch.cuda.synchronize()
+                    res = {"rel_l2_out_vs_native": rel_l2(got["out"], ref[0])}
+                    if not fwd_only:
+                        res.update(rel_l2_dq_vs_native=rel_l2(got["dq"], ref[1]),
+                                   rel_l2_dk_vs_native=rel_l2(got["dk"], ref[2]))
+                    return res
+                return call, check
             return make
 
+        def wanted(name):
+            return not args.rows or name in args.rows
+
         def add(name, width, topk_width, make, fwd_only=False):
-            if args.rows and name not in args.rows:
+            if not wanted(name):
                 return {}
             rows.append(measure(name, width, heads, L, topk_width, make, args.reps, fwd_only))
             return rows[-1]
@@ -226,7 +326,23 @@ def run(args):
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)
-        if fm is not None and (not args.rows or "flashmla_fwd" in args.rows):
+        if wanted("cudnn") or wanted("cudnn_fwd"):
+            if cudnn_mod is None:
+                for name in ("cudnn", "cudnn_fwd"):
+                    if wanted(name):
+                        rows.append(dict(name=name, dim=512, width=2051, heads=heads, seqlen=L,
+                                         oom=False, status="unavailable", msg=cudnn_reason))
+            else:
+                ref = None
+                if native:  # the native route's results, for the peer's cross-check
+                    got = {}
+                    fwd_bwd(hook_fn(heads, "native"), q512, k512, idx)()[0](got)
+                    ref = (got["out"], got["dq"], got["dk"])
+                cudnn = hook_fn(heads, backend="cudnn")
+                add("cudnn", 512, 2051, fwd_bwd(cudnn, q512, k512, idx, ref=ref))
+                add("cudnn_fwd", 512, 2051, fwd_bwd(cudnn, q512, k512, idx, True, ref=ref), True)
+                del ref
+        if fm is not None and wanted("flashmla_fwd"):
             with torch.no_grad():
                 os.environ[NOPE_ENV] = "padded"
                 ours = hook_fn(heads, "padded")(q512, k512, idx, scale)
@@ -252,29 +368,81 @@ def run(args):
     return rows, notes
 
 
+def ratios(rows):
+    """native / cudnn and native_fwd / cudnn_fwd (time and peak extra memory) per (heads, tokens),
+    from rows of one run."""
+    by = {(r["name"], r["heads"], r["seqlen"]): r for r in rows if r.get("status", "ok") == "ok"}
+    out = []
+    for (name, heads, L), r in by.items():
+        peer = {"native": "cudnn", "native_fwd": "cudnn_fwd"}.get(name)
+        if peer is None or (peer, heads, L) not in by:
+            continue
+        c = by[peer, heads, L]
+        key = "fwd_ms" if name.endswith("_fwd") else "fwd_bwd_ms"
+        out.append(dict(ours=name, peer=peer, heads=heads, seqlen=L, time_ratio=r[key] / c[key],
+                        mem_ratio=r["peak_extra_gib"] / c["peak_extra_gib"], ours_ms=r[key],
+                        peer_ms=c[key], ours_gib=r["peak_extra_gib"], peer_gib=c["peak_extra_gib"]))
+    return out
+
+
 def write_table(rows, notes, path):
     lines = ["| path | q/k width | top-k | heads | tokens | fwd+bwd ms | fwd ms | peak extra GiB | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        fb = "OOM" if r.get("oom") else (f"{r['fwd_bwd_ms']:.1f}" if "fwd_bwd_ms" in r else "")
+        status = r.get("status", "oom" if r.get("oom") else "ok")
+        bad = {"oom": "OOM"}.get(status, status)
+        fb = f"{r['fwd_bwd_ms']:.1f}" if "fwd_bwd_ms" in r else (bad if status != "ok" else "")
         fo = f"{r['fwd_ms']:.2f}" if "fwd_ms" in r else ""
-        mem = "OOM" if r.get("oom") else f"{r['peak_extra_gib']:.2f}"
-        note = f"rel L2 vs padded {r['rel_l2_vs_padded']:.1e}" if "rel_l2_vs_padded" in r else ""
-        lines.append(f"| {r['name']} | {r['dim']} | {r['width']} | {r['heads']} | {r['seqlen']} | {fb} | {fo} | {mem} | {note} |")
+        mem = f"{r['peak_extra_gib']:.2f}" if "peak_extra_gib" in r else bad
+        note = []
+        if "rel_l2_vs_padded" in r:
+            note.append(f"rel L2 vs padded {r['rel_l2_vs_padded']:.1e}")
+        vs = [f"{t} {r[f'rel_l2_{t}_vs_native']:.1e}" for t in ("out", "dq", "dk")
+              if f"rel_l2_{t}_vs_native" in r]
+        if vs:
+            note.append("rel L2 vs native: " + ", ".join(vs))
+        if status not in ("ok", "oom") and r.get("msg"):
+            note.append(r["msg"][:160].replace("|", "/").replace("\n", " "))
+        lines.append(f"| {r['name']} | {r['dim']} | {r['width']} | {r['heads']} | {r['seqlen']} "
+                     f"| {fb} | {fo} | {mem} | {'; '.join(note)} |")
+    rat = ratios(rows)
+    if rat:
+        lines += ["", "Ours / megatron-core's cuDNN backend, same run (below 1: ours is faster / leaner):", "",
+                  "| ours / peer | heads | tokens | time ratio | ms ours / peer | memory ratio | GiB ours / peer |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for x in sorted(rat, key=lambda x: (x["ours"], x["heads"], x["seqlen"])):
+            lines.append(f"| {x['ours']} / {x['peer']} | {x['heads']} | {x['seqlen']} | "
+                         f"{x['time_ratio']:.3f} | {x['ours_ms']:.1f} / {x['peer_ms']:.1f} | "
+                         f"{x['mem_ratio']:.3f} | {x['ours_gib']:.2f} / {x['peer_gib']:.2f} |")
+    prov = rows[0].get("provenance") if rows else None
+    if prov:
+        lines += ["", "Run: " + ", ".join(f"{k} {v}" for k, v in prov.items())]
     lines += [""] + [f"- {n}" for n in notes]
     path.write_text("\n".join(lines) + "\n")
 
 
 def plot(rows, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{path}: not drawn (no matplotlib here; bench.py --render JSONL draws it elsewhere)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    def ok(r):
+        return r.get("status", "oom" if r.get("oom") else "ok") == "ok"
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(19, 5))
     names = sorted({r["name"] for r in rows}, key=lambda n: [r["name"] for r in rows].index(n))
     for n in names:
-        rs = sorted([r for r in rows if r["name"] == n and r["heads"] == 16 and not r.get("oom")],
+        by_heads = sorted([r for r in rows if r["name"] == n and r["seqlen"] == 32768 and ok(r)
+                           and "fwd_bwd_ms" in r], key=lambda r: r["heads"])
+        if len(by_heads) > 1:
+            c.plot([r["heads"] for r in by_heads], [r["fwd_bwd_ms"] for r in by_heads], marker="o",
+                   label=n)
+        rs = sorted([r for r in rows if r["name"] == n and r["heads"] == 16 and ok(r)],
                     key=lambda r: r["seqlen"])
         if not rs:
             continue
@@ -283,11 +451,12 @@ def plot(rows, path):
             a.plot(xs, [r["peak_extra_gib"] for r in rs], marker="o", label=n)
         b.plot(xs, [r.get("fwd_bwd_ms", r.get("fwd_ms")) for r in rs], marker="o",
                linestyle="-" if "fwd_bwd_ms" in rs[0] else "--", label=n + (" (fwd+bwd)" if "fwd_bwd_ms" in rs[0] else ""))
-    for ax, title, yl in ((a, "peak extra memory, fwd+bwd (16 heads)", "GiB"),
-                          (b, "time (16 heads); dashed = forward only", "ms")):
+    for ax, title, yl, xl in ((a, "peak extra memory, fwd+bwd (16 heads)", "GiB", "tokens"),
+                              (b, "time (16 heads); dashed = forward only", "ms", "tokens"),
+                              (c, "fwd+bwd time at 32k tokens by heads", "ms", "query heads")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("tokens")
+        ax.set_xlabel(xl)
         ax.set_ylabel(yl)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
@@ -300,6 +469,14 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def render(jsonl, out):
+    """The table and plot again from rows already measured (no GPU)."""
+    rows = [json.loads(line) for line in pathlib.Path(jsonl).read_text().splitlines() if line.strip()]
+    notes = rows[0].get("provenance", {}).get("notes", []) if rows else []
+    write_table(rows, notes, out / "h200-bench.md")
+    plot(rows, out / "h200-bench.png")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -307,17 +484,26 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", nargs="*", help="only these HEADS:TOKENS, e.g. 16:32768")
     ap.add_argument("--rows", nargs="*", help="only these row names, e.g. native_fwd flashmla_fwd")
+    ap.add_argument("--render", metavar="JSONL", help="only rewrite the table and plot from JSONL")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        render(args.render, out)
+        return 0
+    prov = provenance()
     rows, notes = run(args)
+    prov["notes"] = notes
     with open(out / "h200-bench.jsonl", "w") as f:
         for r in rows:
-            f.write(json.dumps(r) + "\n")
-    write_table(rows, notes, out / "h200-bench.md")
-    plot(rows, out / "h200-bench.png")
+            f.write(json.dumps(dict(r, provenance=prov)) + "\n")
+    render(out / "h200-bench.jsonl", out)
     print("\n".join(notes))
+    bad = [r for r in rows if r.get("status") in ("error", "declined")]
+    for r in bad:
+        print(f"{r['name']} {r['heads']} heads {r['seqlen']}: {r['status']}: {r.get('msg')}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,8 +4,10 @@
 # bench/bwd_variants.py, the backward kernel A/B; fwd: bench/fwd_variants.py, the forward kernel A/B) against
 # the built wheel (dist/*.whl), installed with its patches into a scratch site folder (no deps: the
 # host's torch). TileLang comes from the environment or from .site/tilelang-site.tar.xz
-# (../shared/gpu/pack-tilelang-site.sh makes it); flash_mla (benchmark peer, optional) from .whl/.
-# Prints a one-line summary at the end.
+# (scripts/pack_tilelang_site.sh makes it); flash_mla (benchmark peer, optional) from .whl/;
+# megatron's cuDNN backend packages (benchmark peer, optional) from the site folder CUDNN_SITE
+# (scripts/pack_cudnn_site.sh). Prints a one-line summary at the end. Exits non-zero when any job
+# failed (a test, a benchmark row that errored or declined, a variant script, an upstream file).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=" ${1:-all} "
@@ -33,25 +35,26 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} MCORE_FROM_INSTALLED=1 PYTHON
   "$py" -c "import torch, tilelang; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'tilelang', tilelang.__version__)"
   "$py" -c "import megatron.core as m, megatron.core.glm53_patches as p; print('megatron-core', m.__version__, [n for n, _ in p.PATCHES])"
   "$py" -c "import flash_mla; print('flash_mla', flash_mla.__version__)" 2>&1 | tail -n 1
+  "$py" -c "import sys; sys.path.insert(0, 'bench'); import cudnn_peer; m, why = cudnn_peer.load(); print('cudnn backend:', why or cudnn_peer.versions())" 2>&1 | tail -n 1
 } | tee "$out/env.txt"
 # PRECOMPILE=0: jobs that compile their own kernels (variants, upstream on an unpatched wheel)
-[ "${PRECOMPILE:-1}" = 0 ] || "$py" bench/precompile.py 2>&1 | tee "$out/precompile.log"
+[ "${PRECOMPILE:-1}" = 0 ] || "$py" bench/precompile.py 2>&1 | tee "$out/precompile.log" || { echo "error: precompile failed" >&2; exit 1; }
 rc=0 summary=""
+failed() { rc=1; summary="$summary [FAILED: $1]"; }
 xdist=$("$py" -c "import xdist" 2>/dev/null && echo yes)  # pytest-xdist, carried in .whl/
 if has variants; then
-  timeout "${VARIANTS_TIMEOUT:-300}" "$py" bench/bwd_variants.py --out "$out" 2>&1 | tee "$out/bwd-variants.log" || rc=1
+  timeout "${VARIANTS_TIMEOUT:-300}" "$py" bench/bwd_variants.py --out "$out" 2>&1 | tee "$out/bwd-variants.log" || failed variants
   summary="$summary; variants: $(wc -l <"$out/bwd-variants.jsonl" 2>/dev/null || echo 0) rows"
 fi
 if has fwd; then
-  timeout "${FWD_TIMEOUT:-200}" "$py" bench/fwd_variants.py --out "$out" ${FWD_ARGS:-} 2>&1 | tee "$out/fwd-variants.log" || rc=1
+  timeout "${FWD_TIMEOUT:-200}" "$py" bench/fwd_variants.py --out "$out" ${FWD_ARGS:-} 2>&1 | tee "$out/fwd-variants.log" || failed fwd
   summary="$summary; fwd variants: $(wc -l <"$out/fwd-variants.jsonl" 2>/dev/null || echo 0) rows"
 fi
 if has tests; then
   # the tests are many small launches: spread them over processes sharing the GPU (pytest-xdist
   # from .whl/; the kernels are in TileLang's disk cache from precompile.py)
   par=$([ -n "$xdist" ] && echo "-n ${GPU_TEST_WORKERS:-6}")
-  "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --durations=12 $par --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
-  rc=${PIPESTATUS[0]}
+  "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --durations=12 $par --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || failed tests
   summary="$summary; gpu tests: $(tail -n 1 "$out/gpu-tests.log")"
 fi
 if has upstream; then
@@ -69,12 +72,13 @@ if has upstream; then
   fi
   for f in ${UPSTREAM_FILES:-test_dsa_tilelang_kernels test_absorbed_mla test_attention_variant_dsa}; do
     (cd .upt && timeout "${UPSTREAM_TIMEOUT:-400}" "$py" -m torch.distributed.run --nproc_per_node 1 \
-      -m pytest "$d/$f.py" -q -rfEs -p no:cacheprovider --junitxml="$out/upstream-$f.xml") >"$out/upstream-$f.log" 2>&1
+      -m pytest "$d/$f.py" -q -rfEs -p no:cacheprovider --junitxml="$out/upstream-$f.xml") >"$out/upstream-$f.log" 2>&1 ||
+      failed "upstream $f"
     summary="$summary; $f: $(grep -E '(passed|failed|error)' "$out/upstream-$f.log" | tail -n 1)"
   done
 fi
 if has bench; then
-  "$py" bench/bench.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || rc=1
+  "$py" bench/bench.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || failed bench
   summary="$summary; bench: $(wc -l <"$out/h200-bench.jsonl" 2>/dev/null || echo 0) rows in $out"
 fi
 echo "SUMMARY: $summary (exit $rc)"

@@ -1,0 +1,103 @@
+"""The benchmark's CPU-side logic: the legacy-FlashMLA adapter that lets megatron's cuDNN backend run
+on PyPI's sgl-flash-mla (bench/cudnn_peer.py), and the table of rows with their status and the
+ours/peer ratios (bench/bench.py). The timed rows themselves need a GPU (make bench)."""
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import cudnn_peer  # noqa: E402
+
+
+class FakeFlashMLA(types.SimpleNamespace):
+    def __init__(self):
+        super().__init__(calls=[])
+
+    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v=512, use_legacy=False):
+        self.calls.append(dict(indices=indices, sm_scale=sm_scale, d_v=d_v, use_legacy=use_legacy))
+        return "out", "max_logits", "lse"
+
+
+def compacted(rows, width, lengths):
+    idx = torch.full((rows, 1, width), -1, dtype=torch.int32)
+    for r, n in enumerate(lengths):
+        idx[r, 0, :n] = torch.arange(n, dtype=torch.int32)
+    return idx, torch.tensor(lengths, dtype=torch.int32)
+
+
+def test_adapter_calls_the_legacy_kernel_with_megatrons_arguments():
+    fm = FakeFlashMLA()
+    fwd = cudnn_peer.LegacyFlashMLASparseFwd(fm)
+    idx, length = compacted(3, 8, [8, 3, 0])
+    sink = torch.full((64,), float("-inf"))
+    for _ in range(2):
+        assert fwd("q", "kv", idx, 0.125, d_v=512, attn_sink=sink, topk_length=length,
+                   indexer_topk=0) == ("out", "max_logits", "lse")
+    assert [c["use_legacy"] for c in fm.calls] == [True, True]
+    assert fm.calls[0]["indices"] is idx and fm.calls[0]["sm_scale"] == 0.125
+
+
+@pytest.mark.parametrize("bad", ["sink", "tail", "indexer_topk"])
+def test_adapter_refuses_what_the_legacy_kernel_would_compute_differently(bad):
+    fm = FakeFlashMLA()
+    fwd = cudnn_peer.LegacyFlashMLASparseFwd(fm)
+    idx, length = compacted(3, 8, [8, 3, 0])
+    sink = torch.full((64,), float("-inf"))
+    kw = dict(attn_sink=sink, topk_length=length, indexer_topk=0)
+    if bad == "sink":
+        kw["attn_sink"] = sink.clone().index_fill_(0, torch.tensor([5]), 0.0)
+    elif bad == "tail":
+        idx[1, 0, 5] = 7  # a valid-looking index after topk_length: the legacy kernel would use it
+    else:
+        kw["indexer_topk"] = 2048
+    with pytest.raises(NotImplementedError):
+        fwd("q", "kv", idx, 0.125, **kw)
+    assert fm.calls == []
+
+
+def row(name, heads, ms, gib, **kw):
+    key = "fwd_ms" if name.endswith("_fwd") else "fwd_bwd_ms"
+    return dict(name=name, dim=512, width=2051, heads=heads, seqlen=32768, status="ok", oom=False,
+                peak_extra_gib=gib, **{key: ms}, **kw)
+
+
+def test_table_has_ratios_and_says_why_a_row_has_no_number(tmp_path):
+    import bench
+
+    rows = [row("native", 16, 90.0, 0.5), row("cudnn", 16, 100.0, 16.0, rel_l2_out_vs_native=2e-3,
+                                               rel_l2_dq_vs_native=9e-4, rel_l2_dk_vs_native=7e-4),
+            row("native", 64, 210.0, 2.0),
+            dict(name="cudnn", dim=512, width=2051, heads=64, seqlen=32768, oom=False,
+                 status="declined", msg="RuntimeError: DSA fused ... declined for query [...]"),
+            row("native_fwd", 16, 13.0, 0.2), row("cudnn_fwd", 16, 30.0, 8.0)]
+    rat = {(r["ours"], r["heads"]): r for r in bench.ratios(rows)}
+    assert set(rat) == {("native", 16), ("native_fwd", 16)}  # no ratio against a declined row
+    assert math.isclose(rat["native", 16]["time_ratio"], 0.9)
+    assert math.isclose(rat["native", 16]["mem_ratio"], 0.5 / 16.0)
+    path = tmp_path / "t.md"
+    bench.write_table(rows, ["a note"], path)
+    text = path.read_text()
+    assert "| cudnn | 512 | 2051 | 64 | 32768 | declined |" in text
+    assert "RuntimeError: DSA fused" in text
+    assert "rel L2 vs native: out 2.0e-03, dq 9.0e-04, dk 7.0e-04" in text
+    assert "| native / cudnn | 16 | 32768 | 0.900 |" in text
+    assert "- a note" in text
+
+
+def test_render_rewrites_table_and_plot_from_jsonl(tmp_path):
+    rows = [row("native", 16, 90.0, 0.5), row("cudnn", 16, 100.0, 16.0)]
+    rows = [dict(r, provenance=dict(label="glm53nope.x", notes=["n1"])) for r in rows]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    subprocess.run([sys.executable, str(ROOT / "bench/bench.py"), "--out", str(tmp_path / "o"),
+                    "--render", str(src)], check=True)
+    md = (tmp_path / "o/h200-bench.md").read_text()
+    assert "label glm53nope.x" in md and "- n1" in md
+    assert (tmp_path / "o/h200-bench.png").stat().st_size > 10_000
