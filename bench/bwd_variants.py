@@ -14,6 +14,12 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   native_noskip   0030's kernel: -1 rows gather row 0 (MCORE_DSA_TILELANG_NATIVE_SCHEDULE=0)
   native_static   indices -1 padded to 2080 and a static top-k (no run-time width)
   native_split8_static  both
+--set probes (issue #17: what bounds the backward; needs WIP_PATCHES=wip/0090-bwd-timing-probes.patch):
+  native          the kernel sparse_mla_bwd runs at this head count (head block min(heads, 32);
+                  256 threads from a 32-head block; dKV in 8 slices at 16 heads, 2 above)
+  native_no_atomic / native_no_gemm / native_no_gather   the same without that stage
+  native_bh64     at 64 heads: one 64-head block (256 threads), so each (query, key) is added once
+  native_bh64_no_atomic
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
@@ -31,7 +37,25 @@ SCALE = 512 ** -0.5
 TOPK = 2051
 
 
+def probe_variants(heads):
+    bh = min(32, max(16, heads))
+    base = dict(tail=0, topk=2080, dynamic=True, threads=256 if bh >= 32 else 128, skip=True,
+                split=8 if bh == 16 else 2, block_h=bh)
+    v = {"native": base}
+    for probe in ("no_atomic", "no_gemm", "no_gather"):
+        v[f"native_{probe}"] = dict(base, probe=probe)
+    if heads >= 64:
+        v["native_bh64"] = dict(base, block_h=64, threads=256, split=2)
+        v["native_bh64_no_atomic"] = dict(v["native_bh64"], probe="no_atomic")
+    return v
+
+
+VARIANT_SETS = {}
+
+
 def variants(heads):
+    if VARIANT_SETS.get("set") == "probes":
+        return probe_variants(heads)
     thr = 256 if heads >= 32 else 128
     v = {
         "stock576": dict(tail=64, topk=2112, dynamic=False, threads=128, skip=False, split=2),
@@ -50,9 +74,11 @@ def build(heads, cfg):
         tilelang_sparse_mla_bwd as bwd_mod,
     )
 
-    return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE, max_block_h=32,
-                       threads=cfg["threads"], topk_dynamic=cfg["dynamic"],
-                       skip_invalid_gather=cfg["skip"], split_store=cfg["split"])
+    extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
+    return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE,
+                       max_block_h=cfg.get("block_h", 32), threads=cfg["threads"],
+                       topk_dynamic=cfg["dynamic"], skip_invalid_gather=cfg["skip"],
+                       split_store=cfg["split"], **extra)
 
 
 def compile_job(args):
@@ -72,10 +98,13 @@ def main():
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--heads", type=int, nargs="*", default=[16, 32])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--set", choices=["schedule", "probes"], default="schedule")
     args = ap.parse_args()
+    VARIANT_SETS["set"] = args.set
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    compile_in_processes(compile_job, [(h, n, c) for h in args.heads for n, c in variants(h).items()])
+    _, unfinished = compile_in_processes(
+        compile_job, [(h, n, c) for h in args.heads for n, c in variants(h).items()], timeout=240)
 
     import torch
 
@@ -87,6 +116,7 @@ def main():
     )
 
     dev = "cuda"
+    ref_name = "native" if args.set == "probes" else "native_0050"
     s = args.seqlen
     g = torch.Generator(device=dev).manual_seed(0)
     idx = kpool_indices(s, g, device=dev).view(1, s, 1, TOPK).contiguous()
@@ -111,6 +141,11 @@ def main():
         ref = None
         for name, cfg in variants(heads).items():
             row = dict(name=name, heads=heads, seqlen=s, index_width=TOPK, **cfg)  # cfg topk: the kernel's
+            if (heads, name, cfg) in unfinished:
+                row["error"] = "compile did not finish in time (skipped)"
+                emit(row)
+                rows.append(row)
+                continue
             try:
                 kernel = build(heads, cfg)
             except Exception as exc:  # noqa: BLE001
@@ -132,16 +167,16 @@ def main():
             times = timed(call, args.reps)
             row["bwd_ms"] = statistics.median(times)
             row["bwd_ms_min"] = min(times)
-            if name == "native_0050":
+            if name == ref_name:
                 ref = got
             if ref is not None:
-                row["dq_rel_l2_vs_native_0050"] = rel_l2(got[0], ref[0])
-                row["dkv_rel_l2_vs_native_0050"] = rel_l2(got[1], ref[1])
+                row[f"dq_rel_l2_vs_{ref_name}"] = rel_l2(got[0], ref[0])
+                row[f"dkv_rel_l2_vs_{ref_name}"] = rel_l2(got[1], ref[1])
             emit(row)
             rows.append(row)
             del dq, dkv, got
         # stock576 ran before the reference existed: check it now
-        if ref is not None and "bwd_ms" in rows[-len(variants(heads))]:
+        if ref is not None and "stock576" in variants(heads) and "bwd_ms" in rows[-len(variants(heads))]:
             cfg = variants(heads)["stock576"]
             dkv = torch.zeros(kv576.shape, dtype=torch.float32, device=dev)
             dq = build(heads, cfg)(q576, kv576, do, idx_2112, lse, delta, dkv)
