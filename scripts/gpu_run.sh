@@ -43,7 +43,7 @@ rc=0 summary=""
 failed() { rc=1; summary="$summary [FAILED: $1]"; }
 xdist=$("$py" -c "import xdist" 2>/dev/null && echo yes)  # pytest-xdist, carried in .whl/
 if has variants; then
-  timeout "${VARIANTS_TIMEOUT:-300}" "$py" bench/bwd_variants.py --out "$out" 2>&1 | tee "$out/bwd-variants.log" || failed variants
+  timeout "${VARIANTS_TIMEOUT:-300}" "$py" bench/bwd_variants.py --out "$out" ${BWD_ARGS:-} 2>&1 | tee "$out/bwd-variants.log" || failed variants
   summary="$summary; variants: $(wc -l <"$out/bwd-variants.jsonl" 2>/dev/null || echo 0) rows"
 fi
 if has fwd; then
