@@ -416,7 +416,7 @@ def write_table(rows, notes, path):
                          f"{x['mem_ratio']:.3f} | {x['ours_gib']:.2f} / {x['peer_gib']:.2f} |")
     prov = rows[0].get("provenance") if rows else None
     if prov:
-        lines += ["", "Run: " + ", ".join(f"{k} {v}" for k, v in prov.items())]
+        lines += ["", "Run: " + ", ".join(f"{k} {v}" for k, v in prov.items() if k != "notes")]
     lines += [""] + [f"- {n}" for n in notes]
     path.write_text("\n".join(lines) + "\n")
 
