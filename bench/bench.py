@@ -12,9 +12,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   stock576      576/2048  the unpatched DeepSeek-V3.2 layout through the fused hook (reference)
   padded        512/2051  the patched NoPE path, #7617: zero-pad to 576, -1-pad top-k (fwd+bwd)
   native        512/2051  the native NoPE kernels, no 576 copies (where the wheel has them)
-  native_sched0 512/2051  the same with MCORE_DSA_TILELANG_NATIVE_SCHEDULE=0 (without 0050), 32k/16 heads
-  native_recompute 512/2051  the same with MCORE_DSA_TILELANG_NATIVE_SAVE_OUT=0 (without 0060: the
-                backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads
+  native_sched0 512/2051  the same with NativeKernelOptions(schedule=False) (without 0050), 32k/16 heads
+  native_recompute 512/2051  the same with NativeKernelOptions(save_output=False) (without 0060:
+                the backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads
   padded_fwd / native_fwd   the same, forward only
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
@@ -30,6 +30,7 @@ and the run's provenance (megatron-core version and label, a hash of the applied
 revision, date). `--render JSONL` rewrites the table and plot from rows already measured.
 """
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -51,8 +52,6 @@ DEV = "cuda"
 GIB = 1024 ** 3
 NOPE_ENV = "MCORE_DSA_TILELANG_NOPE"  # native | padded (the native patches' switch)
 REQUIRE_FUSED_ENV = "MCORE_DSA_REQUIRE_FUSED"  # 0020: a decline raises instead of falling back
-SCHEDULE_ENV = "MCORE_DSA_TILELANG_NATIVE_SCHEDULE"  # 0: the native kernels without patch 0050
-SAVE_OUT_ENV = "MCORE_DSA_TILELANG_NATIVE_SAVE_OUT"  # 0: recompute out/lse in bwd (without 0060)
 
 
 def megatron():
@@ -139,6 +138,15 @@ def hook_fn(heads, route=None, backend="tilelang"):
             raise Declined("fused hook declined (returned None)")
         return out
     return fn
+
+
+def native_options(**changes):
+    """NativeKernelOptions changed for a block (the A/B rows); a no-op without changes."""
+    if not changes:
+        return contextlib.nullcontext()
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
+
+    return tilelang_utils.override_native_kernel_options(**changes)
 
 
 def dense_fn(q, k, idx, scale):
@@ -256,22 +264,24 @@ def run(args):
         do = torch.randn(L, 1, heads, 512, generator=g, device=DEV).to(torch.bfloat16)
         scale = 512 ** -0.5
 
-        def fwd_bwd(fn, q0, k0, ix, fwd_only=False, ref=None):
+        def fwd_bwd(fn, q0, k0, ix, fwd_only=False, ref=None, options=None):
             """make() for measure(); with ref = (out, dq, dk) of the native route, the row gets
             the relative L2 of its results against it, from one more call after the timed ones
-            (so holding them does not change the measured peak)."""
+            (so holding them does not change the measured peak). options: NativeKernelOptions
+            fields for the whole fwd+bwd (the A/B rows)."""
             def make():
                 q = q0.detach().clone().requires_grad_(not fwd_only)
                 k = k0.detach().clone().requires_grad_(not fwd_only)
 
                 def call(keep=None):
                     q.grad = k.grad = None
-                    if fwd_only:
-                        with torch.no_grad():
+                    with native_options(**(options or {})):
+                        if fwd_only:
+                            with torch.no_grad():
+                                out = fn(q, k, ix, scale)
+                        else:
                             out = fn(q, k, ix, scale)
-                    else:
-                        out = fn(q, k, ix, scale)
-                        out.backward(do)
+                            out.backward(do)
                     if keep is not None:
                         keep.update(out=out.detach(), dq=q.grad, dk=k.grad)
 
@@ -316,13 +326,10 @@ def run(args):
         if native:
             add("native", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx))
             if heads == 16 and L == 32768:  # A/B of patches 0050 (schedule) and 0060 (saved out)
-                os.environ[SCHEDULE_ENV] = "0"
-                add("native_sched0", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx))
-                os.environ.pop(SCHEDULE_ENV)
-                os.environ[SAVE_OUT_ENV] = "0"
-                add("native_recompute", 512, 2051,
-                    fwd_bwd(hook_fn(heads, "native"), q512, k512, idx))
-                os.environ.pop(SAVE_OUT_ENV)
+                add("native_sched0", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
+                                                         options=dict(schedule=False)))
+                add("native_recompute", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
+                                                            idx, options=dict(save_output=False)))
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)

@@ -28,40 +28,37 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 SCALE = 512 ** -0.5
 TOPK = 2051
-ENV = "MCORE_DSA_TILELANG_NATIVE_FWD_WS"
-# name -> (ws env value, sparse_mla_fwd_interface keyword arguments)
+# name -> (warp-specialized forward?, sparse_mla_fwd_interface keyword arguments)
 VARIANTS = {
-    "pipelined": ("0", {}),
-    "pipe_s3": ("0", dict(num_stages=3)),
-    "pipe_bi32_s4": ("0", dict(block_I=32, num_stages=4)),
-    "pipe_t128": ("0", dict(threads=128)),
-    "ws": ("1", {}),  # two KV buffers
-    "ws3": ("1", {}),  # three KV buffers (16 heads only: 221 KB of shared memory)
-    "ws_c2": ("1", {}),  # the score GEMM in two MMA chains instead of four
-    "ws3_c2": ("1", {}),
-    # the same kernels with a CTA per query instead of persistent (..._WS_PERSIST=0)
-    "ws_np": ("1", {}),
-    "ws3_np": ("1", {}),
-    # wip/0080 (WIP_PATCHES=): the same kernels with both GEMMs on wgmma (..._WS_MMA=wgmma)
-    "ws3_w": ("1", {}),
-    "ws3_w_np": ("1", {}),
-    "ws_w": ("1", {}),
+    "pipelined": (False, {}),
+    "pipe_s3": (False, dict(num_stages=3)),
+    "pipe_bi32_s4": (False, dict(block_I=32, num_stages=4)),
+    "pipe_t128": (False, dict(threads=128)),
+    "ws": (True, {}),  # two KV buffers
+    "ws3": (True, {}),  # three KV buffers (16 heads only: 221 KB of shared memory)
+    "ws_c2": (True, {}),  # the score GEMM in two MMA chains instead of four
+    "ws3_c2": (True, {}),
+    # the same kernels with a CTA per query instead of persistent
+    "ws_np": (True, {}),
+    "ws3_np": (True, {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
 
 
 def call(fwd_mod, name, q, kv, idx):
-    flag, kw = VARIANTS[name]
-    os.environ[ENV] = flag
-    if name.startswith("ws"):
-        os.environ[ENV + "_BUFFERS"] = "3" if name in THREE_BUFFERS else "2"
-        os.environ[ENV + "_CHAINS"] = "2" if name.endswith("_c2") else "4"
-    os.environ[ENV + "_PERSIST"] = "0" if name.endswith("_np") else ""
-    wgmma = "w" in name.split("_")
-    os.environ[ENV + "_MMA"] = "wgmma" if wgmma else ""
-    if wgmma and not hasattr(fwd_mod, "sparse_mla_fwd_nope_ws_wgmma"):
-        raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
-    return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
+    """One forward of variant `name`: the A/B choices go through NativeKernelOptions."""
+    from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
+        override_native_kernel_options,
+    )
+
+    ws, kw = VARIANTS[name]
+    opts = dict(fwd_warp_specialized=ws)
+    if ws:
+        opts.update(fwd_ws_buffers=3 if name in THREE_BUFFERS else 2,
+                    fwd_ws_chains=2 if name.endswith("_c2") else 4,
+                    fwd_ws_persistent=not name.endswith("_np"))
+    with override_native_kernel_options(**opts):
+        return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
 
 def compile_job(args):

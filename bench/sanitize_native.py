@@ -1,24 +1,50 @@
 """Small native-route fwd+bwd calls to run under compute-sanitizer (memcheck): the native kernels
-take the caller's top-k width and (patch 0050) address row seq_len_kv for -1 entries, relying on
-TileLang's bounds predicate; memcheck shows whether any access leaves the tensors.
+take the caller's top-k width, address row seq_len_kv for -1 entries (0050, relying on TileLang's
+bounds predicate) and treat out-of-range indices as -1 (0080: no gather, no dKV atomic); memcheck
+shows whether any access leaves the tensors. Each call is checked (finite, and the results with
+out-of-range indices equal those with -1 in their place); the script exits non-zero on a failed
+check. As scripts/gpu_run.sh sanitize runs it:
 
-  compute-sanitizer --tool memcheck python3 bench/sanitize_native.py
+  compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_native.py
 """
 import os
+import sys
 
 import torch
 
 from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
 
+
+def fwd_bwd(q0, k0, idx, do):
+    q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+    out = tilelang_dsa.fused_sparse_mla_absorbed(q, k, idx, 512 ** -0.5, 512)
+    out.backward(do)
+    torch.cuda.synchronize()
+    return out.detach(), q.grad, k.grad
+
+
 os.environ["MCORE_DSA_TILELANG_NOPE"] = "native"
-for sq, heads, topk in ((300, 16, 2051), (256, 8, 65), (512, 64, 127)):
+failed = []
+for sq, heads, topk in ((300, 16, 2051), (256, 8, 65), (512, 64, 127), (300, 32, 2051)):
     g = torch.Generator(device="cuda").manual_seed(sq)
-    q = torch.randn(sq, 1, heads, 512, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
-    k = torch.randn(sq, 1, 1, 512, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    q = torch.randn(sq, 1, heads, 512, generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn(sq, 1, 1, 512, generator=g, device="cuda").to(torch.bfloat16)
+    do = torch.randn(sq, 1, heads, 512, generator=g, device="cuda").to(torch.bfloat16)
     idx = torch.randint(0, sq, (1, sq, topk), generator=g, device="cuda", dtype=torch.int32)
     idx[:, :, topk // 2:] = -1
     idx[:, 5] = -1
-    out = tilelang_dsa.fused_sparse_mla_absorbed(q, k, idx, 512 ** -0.5, 512)
-    out.float().sum().backward()
-    torch.cuda.synchronize()
-    print(f"sq {sq} heads {heads} topk {topk}: finite={bool(torch.isfinite(out.float()).all())}", flush=True)
+    oob = idx.clone()
+    oob[:, :, topk // 2:topk // 2 + 8] = sq + 4096  # past the end of KV
+    oob[:, 7, :3] = -9
+    ref = idx.clone()
+    ref[:, 7, :3] = -1
+    a, b = fwd_bwd(q, k, ref, do), fwd_bwd(q, k, oob, do)
+    checks = dict(finite=all(bool(torch.isfinite(t.float()).all()) for t in a + b),
+                  out_dq_equal=torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]),
+                  dk_close=bool(((a[2].float() - b[2].float()).norm()
+                                 <= 1e-3 * a[2].float().norm())))
+    print(f"sq {sq} heads {heads} topk {topk}: {checks}", flush=True)
+    failed += [f"{sq}/{heads}/{topk}: {k}" for k, ok in checks.items() if not ok]
+if failed:
+    print("FAILED: " + "; ".join(failed))
+    sys.exit(1)

@@ -323,7 +323,7 @@ def run(args, torch, dist, world, rank, device):
                    topk_width=topk_width, softmax_scale=args.softmax_scale),
         tol=args.tol, seed=args.seed,
         env={k: os.environ.get(k) for k in (*REQUIRED_ENV, "MCORE_DSA_REQUIRE_FUSED",
-                                             "MCORE_DSA_TILELANG_NOPE", "MCORE_DSA_TILELANG_NATIVE_SCHEDULE")},
+                                             "MCORE_DSA_TILELANG_NOPE")},
         declined_ranks=[r["rank"] for r in per_rank if r["declined"]],
         error_ranks=[r["rank"] for r in per_rank if r["error"]],
         worst_rel_l2_tpN_vs_tp1=worst,

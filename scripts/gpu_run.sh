@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# gpu_run.sh "JOB..." OUTDIR, JOB = tests|bench|all|upstream|variants|fwd: on a CUDA host, run the
-# GPU tests and/or the benchmark (upstream: Megatron-LM's own DSA tests carried in .upt/; variants:
+# gpu_run.sh "JOB..." OUTDIR, JOB = tests|bench|all|sanitize|upstream|variants|fwd: on a CUDA host, run the
+# GPU tests and/or the benchmark (sanitize: compute-sanitizer memcheck/synccheck/racecheck on
+# bench/sanitize_*.py; upstream: Megatron-LM's own DSA tests carried in .upt/; variants:
 # bench/bwd_variants.py, the backward kernel A/B; fwd: bench/fwd_variants.py, the forward kernel A/B) against
 # the built wheel (dist/*.whl), installed with its patches into a scratch site folder (no deps: the
 # host's torch). TileLang comes from the environment or from .site/tilelang-site.tar.xz
@@ -75,6 +76,17 @@ if has upstream; then
       -m pytest "$d/$f.py" -q -rfEs -p no:cacheprovider --junitxml="$out/upstream-$f.xml") >"$out/upstream-$f.log" 2>&1 ||
       failed "upstream $f"
     summary="$summary; $f: $(grep -E '(passed|failed|error)' "$out/upstream-$f.log" | tail -n 1)"
+  done
+fi
+if has sanitize; then
+  # compute-sanitizer with --error-exitcode: an error it finds, a failed check in the script or a
+  # run that does not finish in SANITIZE_TIMEOUT seconds fails the job (and the command)
+  cs=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+  for run in ${SANITIZE_RUNS:-memcheck:sanitize_native memcheck:sanitize_ws synccheck:sanitize_ws racecheck:sanitize_ws}; do
+    tool=${run%%:*} prog=${run#*:}
+    timeout "${SANITIZE_TIMEOUT:-400}" "$cs" --tool "$tool" --error-exitcode 1 "$py" "bench/$prog.py" \
+      >"$out/sanitizer-$tool-$prog.log" 2>&1 || failed "sanitizer $tool $prog"
+    summary="$summary; $tool $prog: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool-$prog.log" | tail -n 1)"
   done
 fi
 if has bench; then

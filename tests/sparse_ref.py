@@ -3,7 +3,8 @@ GLM-5.3-Flash's k-pool top-k indices.
 
 The kernel contract (TileLang SparseMLA in megatron-core 0.19 + patches 0030/0040): q [b, s, h, W],
 kv [b, sk, 1, W] with W = 576 (RoPE-tail kernels, K a multiple of 64) or W = 512 (native NoPE
-kernels, any K), indices [b, s, 1, K] int32; -1 entries are masked; the value is kv[..., :512];
+kernels, any K), indices [b, s, 1, K] int32; -1 entries are masked, and (0080, native kernels) so
+are entries outside [0, sk); the value is kv[..., :512];
 a row with no valid index gives zero output (and so zero gradient). Softmax runs over the K listed
 entries, unlike megatron's dense fallback, which masks a dense [sq, sk] row.
 """
@@ -23,7 +24,8 @@ def sparse_attention_reference(q, kv, indices, scale, d_v=D_V):
     b, s, h, _ = q.shape
     sk = kv.size(1)
     idx = indices[:, :, 0].long()  # [b, s, K]
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < sk)  # an index outside the keys counts as -1 (0080)
+    idx = idx.masked_fill(~valid, -1)
     qf = q.float()
     kf = kv[:, :, 0].float()  # [b, sk, D]
     scores = torch.einsum("bshd,bkd->bhsk", qf, kf) * scale  # dense, then gathered

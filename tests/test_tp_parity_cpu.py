@@ -78,7 +78,7 @@ def test_a_declining_rank_fails_the_run(tmp_path):
     report = json.loads((tmp_path / "tp-parity.json").read_text())
     assert proc.returncode != 0
     assert report["ok"] is False and report["declined_ranks"] == [0, 1]
-    assert "MCORE_DSA_REQUIRE_FUSED is set" in report["per_rank"][1]["declined"]
+    assert "MCORE_DSA_REQUIRE_FUSED=1 is set" in report["per_rank"][1]["declined"]
 
 
 @pytest.mark.parametrize("name,value", [("NCCL_NVLS_ENABLE", "1"), ("NCCL_NVLS_ENABLE", None),

@@ -8,6 +8,9 @@ from sparse_ref import causal_random_indices, kpool_indices, rel_l2, sparse_atte
 
 from megatron.core.transformer.experimental_attention_variant import dsa, dsa_kernels
 from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
+    override_native_kernel_options,
+)
 from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
@@ -151,17 +154,17 @@ def test_native_matches_padded_route_forward_and_backward_closely(monkeypatch):
 @pytest.mark.parametrize("heads", [16, 64])
 def test_native_saved_output_matches_recompute(monkeypatch, heads):
     """0060: keeping out/lse for backward (default) gives upstream's recompute results
-    (MCORE_DSA_TILELANG_NATIVE_SAVE_OUT=0): the same forward kernel, so the same output bit for bit,
+    (NativeKernelOptions(save_output=False)): the same forward kernel, so the same output bit for bit,
     and the same backward kernel on the same out/lse (dkv's atomics may add in another order).
     Rows with no valid index stay exactly zero without SparseMLA's head masks."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     empty = (3, 254)
     q, k, do, idx = make(256, heads, 512, 2051, seed=heads, empty_rows=empty)
     res = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_SAVE_OUT", flag)
-        res[flag] = run_fused(q, k, idx, do)
-    (out_s, dq_s, dk_s), (out_r, dq_r, dk_r) = res["1"], res["0"]
+    for save in (True, False):
+        with override_native_kernel_options(save_output=save):
+            res[save] = run_fused(q, k, idx, do)
+    (out_s, dq_s, dk_s), (out_r, dq_r, dk_r) = res[True], res[False]
     assert torch.equal(out_s, out_r)
     assert torch.equal(dq_s, dq_r)
     assert rel_l2(dk_s, dk_r) < 1e-3
@@ -169,15 +172,14 @@ def test_native_saved_output_matches_recompute(monkeypatch, heads):
         assert torch.count_nonzero(out_s[r]) == 0 and torch.count_nonzero(dq_s[r]) == 0
 
 
-@pytest.mark.parametrize("heads,persist", [(16, "1"), (16, "0"), (32, "1")])
+@pytest.mark.parametrize("heads,persist", [(16, True), (16, False), (32, True)])
 def test_native_batch_of_two_matches_fp32_reference(monkeypatch, heads, persist):
     """0070's forward at 16 heads walks the queries of the flattened batch x sequence
     (persistent, the default: 400 queries over one CTA an SM, so a CTA's queries cross the batch
-    boundary); at 32 heads and with MCORE_DSA_TILELANG_NATIVE_FWD_WS_PERSIST=0, a CTA a query.
+    boundary); at 32 heads and with NativeKernelOptions(fwd_ws_persistent=False), a CTA a query.
     Each batch element against its own FP32 reference: output and gradients, and a row with no
     valid index exactly zero."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
-    monkeypatch.setenv("MCORE_DSA_TILELANG_NATIVE_FWD_WS_PERSIST", persist)
     sq, batch = 200, 2
     g = torch.Generator().manual_seed(heads)
     q = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
@@ -185,7 +187,8 @@ def test_native_batch_of_two_matches_fp32_reference(monkeypatch, heads, persist)
     do = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
     idx = torch.stack([causal_random_indices(sq, sq, 2051, g) for _ in range(batch)]).to(DEV)
     idx[1, 7] = -1
-    got = run_fused(q, k, idx, do)
+    with override_native_kernel_options(fwd_ws_persistent=persist):
+        got = run_fused(q, k, idx, do)
     for b in range(batch):
         ref = run_reference(q[:, b:b + 1], k[:, b:b + 1], idx[b:b + 1], do[:, b:b + 1])
         for name, a, r in zip(("out", "dq", "dk"), got, ref):
@@ -194,3 +197,41 @@ def test_native_batch_of_two_matches_fp32_reference(monkeypatch, heads, persist)
             err = rel_l2(a, r)
             assert err < TOL, f"batch {b} {name}: relative L2 error {err:.2e}"
     assert torch.count_nonzero(got[0][7, 1]) == 0 and torch.count_nonzero(got[1][7, 1]) == 0
+
+
+@pytest.mark.parametrize("heads", [8, 16, 32, 64])
+@pytest.mark.parametrize("sk", [300, 512])
+def test_native_out_of_range_index_counts_as_minus_one(monkeypatch, heads, sk):
+    """0080: an index outside [0, sk) (past the end, or negative other than -1) is neither
+    gathered nor added to: the results are those with -1 in its place, on every native kernel
+    (0070's forward at 16/32 heads, the pipelined one at 64; the backward's dKV atomics). sk = 300
+    is not a multiple of the 256-token bucket: the native route no longer pads KV, so an index in
+    the bucket's padding is out of range too. A row whose every index is out of range is zero."""
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    sq = 256
+    g = torch.Generator().manual_seed(sk + heads)
+    q = torch.randn(sq, 1, heads, 512, generator=g).to(DEV, torch.bfloat16)
+    k = torch.randn(sk, 1, 1, 512, generator=g).to(DEV, torch.bfloat16)
+    do = torch.randn(sq, 1, heads, 512, generator=g).to(DEV, torch.bfloat16)
+    idx = causal_random_indices(sq, sk, 2051, g, offset=sk - sq).unsqueeze(0).to(DEV)
+    bad = idx.clone()
+    bad[0, :, 1000:1008] = sk + 5  # past the end (inside the old 256-token padding at sk = 300)
+    bad[0, :, 1008:1012] = 1 << 30
+    bad[0, :, 1012:1016] = -7
+    bad[0, 9] = sk  # a row of nothing but out-of-range indices
+    ref = torch.where((bad >= 0) & (bad < sk), bad, torch.full_like(bad, -1))
+    got, want = run_fused(q, k, bad, do), run_fused(q, k, ref, do)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert rel_l2(got[2], want[2]) < 1e-3  # dkv: the same adds in another order
+    assert torch.count_nonzero(got[0][9]) == 0 and torch.count_nonzero(got[1][9]) == 0
+    for name, a, r in zip(("out", "dq", "dk"), got, run_reference(q, k, ref, do)):
+        assert rel_l2(a, r) < TOL, name
+
+
+def test_check_indices_raises_before_any_kernel_runs(monkeypatch):
+    """0090: MCORE_DSA_CHECK_INDICES=1 reports the first out-of-range index through the hook."""
+    monkeypatch.setenv("MCORE_DSA_CHECK_INDICES", "1")
+    q, k, do, idx = glm_inputs(1024, seed=5)
+    idx[0, 100, 3] = 1024
+    with pytest.raises(ValueError, match=r"topk_indices\[0, 100, 3\] = 1024"):
+        hook(q, k, idx, do)

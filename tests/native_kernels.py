@@ -1,0 +1,88 @@
+"""What the kernel tests share: the kernel constants, the tilelang / nvcc skips, and which native
+patches the tree must have. A patch that patches/series lists must be in the tree: a test of its
+code fails (never skips) when the code is missing, and test_series_features_are_in_the_tree names
+the patch. A patch the series does not list (dropped, or a rebase in progress) skips its tests
+with that reason."""
+import os
+import shutil
+
+import pytest
+
+from shell import series
+
+from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+from megatron.core.transformer.experimental_attention_variant.ops import (
+    sparse_mla,
+    tilelang_sparse_mla_bwd as bwd_mod,
+    tilelang_sparse_mla_fwd as fwd_mod,
+    tilelang_utils,
+)
+from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
+    HAVE_TILELANG,
+)
+
+SM90_TARGET = '{"kind": "cuda", "arch": "sm_90"}'
+SM90A_TARGET = '{"kind": "cuda", "arch": "sm_90a"}'  # setmaxnreg (warp specialization) needs sm_90a
+SM90_MAX_DYN_SMEM = 232448  # 227 KiB, the opt-in per-block maximum on Hopper
+D_V = 512
+TAIL = 64
+BLOCK_I = 64  # forward index block
+BWD_BLOCK = 32  # backward index block
+FWD_STAGES = 2
+
+needs_tilelang = pytest.mark.skipif(not HAVE_TILELANG, reason="tilelang is not importable")
+
+
+def _nvcc():
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    for cand in (shutil.which("nvcc"), os.path.join(cuda_home, "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+needs_nvcc = pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME/bin)")
+
+
+def round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+def _has_save_output():
+    import inspect
+
+    return sparse_mla.SparseMLA is not None and "save_output" in inspect.signature(
+        sparse_mla.SparseMLA.forward).parameters
+
+
+def _has_kv_len():
+    import inspect
+
+    return "kv_len" in inspect.signature(tilelang_utils._topk_index).parameters
+
+
+# patch number -> (what it adds, is it in the tree)
+FEATURES = {
+    "0050": ("NativeKernelOptions.schedule", lambda: hasattr(tilelang_utils, "NativeKernelOptions")),
+    "0060": ("SparseMLA(save_output=)", _has_save_output),
+    "0070": ("the warp-specialized native forward",
+             lambda: hasattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws_kernel")),
+    "0080": ("_topk_index(kv_len=)", _has_kv_len),
+    "0090": ("MCORE_DSA_CHECK_INDICES", lambda: hasattr(dsa_kernels, "_check_topk_indices")),
+}
+
+
+def listed(number):
+    return any(name.startswith(number + "-") for name in series())
+
+
+def has(number):
+    """Is patch `number`'s code to be tested: listed in patches/series (then it must be in the
+    tree) or present anyway."""
+    return listed(number) or FEATURES[number][1]()
+
+
+def needs(number):
+    what = FEATURES[number][0]
+    return pytest.mark.skipif(
+        not has(number), reason=f"patch {number} ({what}) is not in patches/series or the tree")

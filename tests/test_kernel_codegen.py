@@ -1,0 +1,293 @@
+"""The TileLang SparseMLA kernels of the patched tree, lowered and compiled without a GPU.
+
+TileLang 0.1.15 + nvcc lower and compile the forward kernel and the backward kernels (preprocess,
+bwd, postprocess) for sm_90 (sm_90a for the warp-specialized forward) on a CPU-only host, for the
+DeepSeek-V3.2 layout (q/k width 576 = d_v 512 + a 64-wide RoPE tail) and for the native NoPE
+layout (q/k width 512 = d_v, no tail; GLM-5.3-Flash). The generated CUDA and the dynamic
+shared-memory size show what each patch promises: no tail buffers, gather, GEMM or atomics in the
+native kernels (0030), the zero-filling gather and 256-thread backward (0050), the warp-specialized
+forward's warpgroups and barriers (0070), the index-bounds compare of every native kernel (0080).
+Each compile's wall time is printed (pytest -s, or the -rA report). The routing through the hook
+is tested in test_native_routing.py.
+
+Needs tilelang and nvcc; skipped with the reason otherwise.
+"""
+import os
+import re
+import time
+
+import pytest
+
+from native_kernels import (
+    BLOCK_I,
+    BWD_BLOCK,
+    D_V,
+    FEATURES,
+    FWD_STAGES,
+    SM90A_TARGET,
+    SM90_MAX_DYN_SMEM,
+    SM90_TARGET,
+    TAIL,
+    bwd_mod,
+    fwd_mod,
+    listed,
+    needs,
+    needs_nvcc,
+    needs_tilelang,
+    round_up as _round_up,
+)
+
+
+@pytest.mark.parametrize("number", sorted(FEATURES))
+def test_series_features_are_in_the_tree(number):
+    """A native patch that patches/series lists has its code in the tree the tests import."""
+    what, present = FEATURES[number]
+    if not listed(number):
+        pytest.skip(f"patch {number} is not in patches/series")
+    assert present(), f"patches/series lists {number}, but the tree has no {what}"
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    """Compile for sm_90 whatever the host has: TileLang's default target comes from
+    TILELANG_DEFAULT_TARGET at compile time. The kernel cache is off so every compile is real."""
+    import tilelang
+
+    old = os.environ.get("TILELANG_DEFAULT_TARGET")
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    tilelang.disable_cache()
+    built = {}
+
+    def build(name, jit_fn, *args, **kwargs):
+        if name not in built:
+            t0 = time.perf_counter()
+            kernel = jit_fn.compile(*args, **kwargs)  # the decorator's out_idx and pass configs
+            seconds = time.perf_counter() - t0
+            src = kernel.get_kernel_source()
+            smem = {
+                gv.name_hint: int(f.attrs["dyn_shared_memory_buf"])
+                for gv, f in kernel.artifact.device_mod.functions.items()
+                if "dyn_shared_memory_buf" in f.attrs
+            }
+            print(f"\n[compile sm_90] {name}: {seconds:.1f} s, dynamic smem {smem}")
+            built[name] = (src, smem, seconds)
+        return built[name]
+
+    yield build
+    tilelang.enable_cache()
+    if old is None:
+        os.environ.pop("TILELANG_DEFAULT_TARGET", None)
+    else:
+        os.environ["TILELANG_DEFAULT_TARGET"] = old
+
+
+def _label(kind, heads, tail, topk, topk_dynamic, extra):
+    opts = "".join(f" {k}={v}" for k, v in sorted(extra.items()))
+    return f"{kind} h{heads} width {D_V + tail} topk {topk}{' dynamic' if topk_dynamic else ''}{opts}"
+
+
+def _fwd(sm90, heads, tail, topk, topk_dynamic, **extra):
+    return sm90(
+        _label("fwd", heads, tail, topk, topk_dynamic, extra),
+        fwd_mod.sparse_mla_fwd,
+        heads,
+        D_V,
+        tail,
+        topk,
+        1,
+        None,
+        block_I=BLOCK_I,
+        num_stages=FWD_STAGES,
+        threads=256,
+        topk_dynamic=topk_dynamic,
+        **extra,
+    )
+
+
+def _bwd(sm90, heads, tail, topk, topk_dynamic, **extra):
+    return sm90(
+        _label("bwd", heads, tail, topk, topk_dynamic, extra),
+        bwd_mod.bwd, heads, D_V, tail, topk, 1, None, max_block_h=32,
+        topk_dynamic=topk_dynamic, **extra,
+    )
+
+
+def _only_smem(smem):
+    assert len(smem) == 1, smem
+    return next(iter(smem.values()))
+
+
+def _has_sm90_mma(src):
+    return "mma_sync" in src or "wgmma" in src
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.parametrize("heads", [16, 64])
+def test_fwd_native_512_has_no_tail_and_saves_exactly_the_tail_smem(sm90, heads):
+    src576, smem576, _ = _fwd(sm90, heads, TAIL, 2048, False)
+    src512, smem512, _ = _fwd(sm90, heads, 0, _round_up(2051, BLOCK_I), True)
+    # the 576 kernel: tail buffers and a 576-element KV row
+    assert "Q_tail_shared" in src576 and "K_tail_shared" in src576
+    assert "(int64_t)576" in src576
+    # the native kernel: no tail buffer, no 576 row anywhere, same MMA path
+    assert "_tail" not in src512
+    assert "576" not in src512
+    assert _has_sm90_mma(src512)
+    # top-k width is a kernel argument and columns past it are masked in the kernel
+    assert "int topk_len" in src512 and "< topk_len" in src512
+    # dynamic shared memory: exactly the tail buffers less (Q tail + double-buffered K tail)
+    h_block = max(heads, 16)
+    tail_bytes = h_block * TAIL * 2 + FWD_STAGES * BLOCK_I * TAIL * 2
+    s576, s512 = _only_smem(smem576), _only_smem(smem512)
+    assert s576 - s512 == tail_bytes, (s576, s512)
+    assert s512 <= SM90_MAX_DYN_SMEM and s576 <= SM90_MAX_DYN_SMEM
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.parametrize("heads", [16, 64])
+def test_bwd_native_512_has_no_tail_gemm_or_atomics(sm90, heads):
+    src576, smem576, _ = _bwd(sm90, heads, TAIL, 2048, False)
+    src512, smem512, _ = _bwd(sm90, heads, 0, _round_up(2051, BWD_BLOCK), True)
+    for name in ("Q_tail_shared", "KV_tail_shared", "acc_dkv_tail_shared"):
+        assert name in src576
+    assert "_tail" not in src512
+    assert "576" not in src512  # no 576 row stride for Q, dQ, KV or the fp32 dKV atomics
+    assert _has_sm90_mma(src512)
+    assert "int topk_len" in src512 and "< topk_len" in src512
+    # the 576 kernel issues the 512 + 64 column atomics, the native one only the 512 column ones
+    n576, n512 = src576.count("AtomicAddx4("), src512.count("AtomicAddx4(")
+    assert 0 < n512 < n576, (n512, n576)
+    s576, s512 = _only_smem(smem576), _only_smem(smem512)
+    assert s512 < s576 <= SM90_MAX_DYN_SMEM, (s576, s512)
+
+
+@needs_tilelang
+@needs_nvcc
+def test_bwd_pre_and_postprocess_compile(sm90):
+    pre_src, _, _ = sm90("preprocess h16 D 512", bwd_mod.preprocess, 16, D_V)
+    assert "preprocess" in pre_src
+    post576, _, _ = sm90("postprocess width 576", bwd_mod.postprocess, D_V, TAIL, 1)
+    post512, _, _ = sm90("postprocess width 512", bwd_mod.postprocess, D_V, 0, 1)
+    assert "(int64_t)576" in post576
+    # the native dKV cast covers 512 columns: 64 rows x 512 per block, no 576 stride
+    assert "576" not in post512 and "(int64_t)32768" in post512
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0050")
+def test_native_schedule_keeps_the_pipeline_and_zero_fills_invalid_rows(sm90):
+    """0050: a -1 entry addresses row seq_len_kv, which the gather's bounds predicate turns
+    into a zero-filling cp.async; the double-buffered cp.async pipeline must survive that."""
+    topk = _round_up(2051, BLOCK_I)
+    plain, plain_smem, _ = _fwd(sm90, 16, 0, topk, True)
+    src, smem, _ = _fwd(sm90, 16, 0, topk, True, skip_invalid_gather=True)
+    assert smem == plain_smem  # same double-buffered KV tile
+    assert src.count("cp_async_gs_conditional") == plain.count("cp_async_gs_conditional") > 0
+    assert "= seq_len_kv;" in src and "= seq_len_kv;" not in plain
+    # backward at block_H 32 (64 heads): 256 threads, same shared memory
+    btopk = _round_up(2051, BWD_BLOCK)
+    bplain, bplain_smem, _ = _bwd(sm90, 64, 0, btopk, True)
+    bsrc, bsmem, _ = _bwd(sm90, 64, 0, btopk, True, threads=256, skip_invalid_gather=True)
+    assert bsmem == bplain_smem
+    assert "__launch_bounds__(256" in bsrc and "__launch_bounds__(128" in bplain
+    assert "= seq_len_kv;" in bsrc and "576" not in bsrc
+
+
+
+
+def _check_setmaxnreg_budget(src):
+    """setmaxnreg.inc blocks until the CTA's pool has the registers: what the consumer
+    warpgroups add over the launch allocation must fit in what the producer gives back, or
+    the kernel hangs on its first instruction (a wip draft did, on the H200)."""
+    threads = int(re.search(r"__launch_bounds__\((\d+)", src).group(1))
+    start = 65536 // threads // 8 * 8  # registers a thread gets at launch (168 at 384 threads)
+    inc = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
+    dec = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
+    assert inc and dec, "no setmaxnreg in a warp-specialized kernel"
+    assert all(n % 8 == 0 and 24 <= n <= 256 for n in inc + dec)
+    assert sum(n - start for n in inc) <= sum(start - n for n in dec), (start, inc, dec)
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0070")
+@pytest.mark.parametrize("heads,buffers,chains,ctas", [(16, 3, 4, 132), (32, 2, 4, 0), (16, 3, 2, 0)])
+def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers, chains, ctas):
+    """0070: three warpgroups (384 threads). The gather warpgroup issues zero-filling cp.async
+    and hands buffers over with mbarriers; neither it nor the second consumer shares a named
+    barrier with the first consumer (a shared id hung an early draft on the H200). WG0 runs the
+    score GEMM in `chains` independent MMA chains and the softmax; WG1 the whole P.V. Each
+    warpgroup loops over its CTA's queries when persistent (ctas CTAs); with ctas = 0, a CTA a
+    query, there is no query loop at all."""
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # the sm90 fixture restores it
+    topk = _round_up(2051, buffers * BLOCK_I)
+    try:
+        src, smem, _ = sm90(f"fwd_ws h{heads} topk {topk} buffers {buffers} chains {chains} ctas {ctas} sm_90a",
+                            fwd_mod.sparse_mla_fwd_nope_ws, heads, D_V, topk, None,
+                            block_I=BLOCK_I, num_buffers=buffers, qk_chains=chains, ctas=ctas)
+    finally:
+        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    assert "__launch_bounds__(384" in src
+    # persistent: the query loop in all three warpgroups, striding by the CTA count; a query's
+    # (batch, position) is worked out once a query: a division by seq_len inside the index
+    # expressions (64-bit, an element) made a draft 1.8x slower on the H200
+    assert len(re.findall(r"for \(int q_it(_\d+)? = 0;", src)) == (3 if ctas else 0)
+    assert (f"* {ctas})" in src) == bool(ctas)
+    assert ("blockIdx.y" in src) == (not ctas)  # a CTA a query: (position, batch) = blockIdx
+    assert "/ ((int64_t)seq_len)" not in src and "% ((int64_t)seq_len)" not in src
+    assert "_tail" not in src and "(int64_t)576" not in src  # no tail, no 576-wide row
+    assert "int topk_len" in src
+    assert "cp_async_gs_conditional<16>" in src and "mbarrier_cp_async_arrive_noinc" in src
+    _check_setmaxnreg_budget(src)
+    wg0, rest = src.split("warpgroup_reg_alloc<232>", 1)
+    wg1, producer = rest.split("warpgroup_reg_dealloc<80>", 1)
+    for other in (wg1, producer):  # WG0's reductions use named barriers; nobody else may
+        assert "__sync_thread_partial" not in other and "__syncthreads" not in other
+    # WG1 rescales the whole output by WG0's alpha, divides by WG0's sum and stores both
+    # halves (with a fragment shared with WG0, TileLang dropped all three in a draft)
+    alphas = set(re.findall(r"\(\(float\*\)(v_\d+)\)", wg0))  # one fp32 alpha tile per buffer
+    assert len(alphas) == buffers and set(re.findall(r"\(\(float\*\)(v_\d+)\)", wg1)) == alphas
+    assert "sumexp_shared" in wg1
+    assert wg1.count("Output + ") == 2 and "Output + " not in wg0
+    assert "Lse[" in wg0
+    assert _has_sm90_mma(src)
+    # per buffer: WG0's score GEMM in `chains` accumulators of 2 n8 tiles a warp, WG1's P.V in
+    # 2 halves of 8 (16 heads) or 16 (32 heads) n8 tiles... counted as mma_sync call sites
+    assert wg0.count("mma_sync") == buffers * chains * 2
+    assert src.count("mbarrier_cp_async_arrive_noinc") == buffers  # one per buffer
+    # the producer loads the next block's indices after issuing a buffer (not before each row)
+    assert producer.count("Indices[") == buffers + 1
+    # Q + the KV buffers + the bf16 probability tiles, within Hopper's per-block maximum
+    assert _only_smem(smem) >= 2 * (heads * D_V + buffers * BLOCK_I * D_V + buffers * heads * BLOCK_I)
+    assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
+
+
+@needs_tilelang
+@needs_nvcc
+def test_576_static_topk_kernels_still_reject_unaligned_topk():
+    """Without topk_dynamic the old contract holds: top-k a multiple of the index block."""
+    with pytest.raises(AssertionError):
+        fwd_mod.sparse_mla_fwd.get_tir(16, D_V, TAIL, 2051, 1, None)
+    with pytest.raises(AssertionError):
+        bwd_mod.bwd.get_tir(16, D_V, TAIL, 2051, 1, None)
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0080")
+def test_native_kernels_compare_every_index_with_the_kv_length(sm90):
+    """0080: every native kernel turns an index outside [0, seq_len_kv) into -1 with one unsigned
+    compare (the forward's mask and gather, the backward's mask, gather and dKV atomics); the 576
+    kernels are generated as before, without it."""
+    compare = "< ((uint)seq_len_kv)"
+    topk, btopk = _round_up(2051, BLOCK_I), _round_up(2051, BWD_BLOCK)
+    for heads in (16, 64):
+        fwd, _, _ = _fwd(sm90, heads, 0, topk, True, skip_invalid_gather=True)
+        bwd, _, _ = _bwd(sm90, heads, 0, btopk, True, threads=256 if heads > 16 else 128,
+                         skip_invalid_gather=True)
+        assert fwd.count(compare) >= 2 and bwd.count(compare) >= 3, heads
+    for src, _, _ in (_fwd(sm90, 16, TAIL, 2048, False), _bwd(sm90, 16, TAIL, 2048, False)):
+        assert "(uint)seq_len_kv" not in src

@@ -1,0 +1,437 @@
+"""The fused hook's routing, with fake kernel objects (a PyTorch implementation of the kernel
+contract) in place of the compiled kernels, on CPU. Width 512 reaches the kernels with the
+caller's own storage (no 576 copy, no -1 padded indices copy, no padded KV copy) and dq/dkv come
+back 512 wide; width 576 takes the old path (RoPE-tail kernels, indices padded to a multiple of
+64). The build arguments each head count gets (0050's schedule, 0070's warp-specialized forward)
+and the A/B options of NativeKernelOptions. The generated code itself: test_kernel_codegen.py.
+"""
+import types
+
+import pytest
+import torch
+import torch.utils._python_dispatch
+
+from native_kernels import (
+    BLOCK_I,
+    BWD_BLOCK,
+    D_V,
+    TAIL,
+    bwd_mod,
+    dsa_kernels,
+    fwd_mod,
+    has,
+    needs,
+    needs_tilelang,
+    round_up as _round_up,
+    sparse_mla,
+)
+from sparse_ref import causal_random_indices, sparse_attention_reference
+
+from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+# kernel calls of one fwd+bwd on the native route: 0060 keeps out/lse (no forward recompute)
+NATIVE_CALLS = ["fwd", "bwd"] if has("0060") else ["fwd", "fwd", "bwd"]
+
+
+def options(**changes):
+    """NativeKernelOptions changed for a block (0050 and later)."""
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
+
+    return tilelang_utils.override_native_kernel_options(**changes)
+
+
+LOG2E = 1.4426950408889634
+
+
+def _attend(q, kv, indices, scale):
+    """Kernel contract in fp32: q [b,s,h,W], kv [b,sk,1,W], indices [b,s,1,K] (-1 masked)."""
+    return sparse_attention_reference(q.float(), kv.float(), indices, scale, d_v=D_V)
+
+
+def _lse_log2(q, kv, indices, scale):
+    idx = indices[:, :, 0].long()
+    valid = idx >= 0
+    scores = torch.einsum("bshd,bkd->bhsk", q.float(), kv[:, :, 0].float()) * scale
+    g = idx.clamp(min=0).unsqueeze(1).expand(-1, q.size(2), -1, -1)
+    logits = scores.gather(-1, g).masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [b, h, s]
+    lse = torch.where(torch.isfinite(lse), lse * LOG2E, torch.zeros_like(lse))
+    return lse.permute(0, 2, 1).contiguous()
+
+
+class KernelFakes:
+    """Stands in for the compiled kernels: records what the kernel getters and kernel calls
+    receive and computes the kernel contract in PyTorch."""
+
+    def __init__(self, scale_holder):
+        self.builds = []
+        self.calls = []
+        self.scale = scale_holder
+
+    def _check_topk(self, topk, indices, topk_dynamic):
+        width = indices.size(-1)
+        assert (width <= topk) if topk_dynamic else (width == topk)
+
+    def get_fwd(self, heads, dim, tail_dim, topk, kv_group, sm_scale, block_I, num_stages,
+                threads, topk_dynamic=False, **extra):
+        self.builds.append(dict(kind="fwd", heads=heads, dim=dim, tail_dim=tail_dim, topk=topk,
+                                topk_dynamic=topk_dynamic, threads=threads, **extra))
+
+        def kernel(q, kv, indices):
+            self._check_topk(topk, indices, topk_dynamic)
+            assert q.size(-1) == kv.size(-1) == dim + tail_dim
+            self.calls.append(dict(kind="fwd", q=q, kv=kv, indices=indices))
+            out = _attend(q, kv, indices, sm_scale).to(q.dtype)
+            return out, _lse_log2(q, kv, indices, sm_scale)
+
+        return kernel
+
+    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers, qk_chains=4, ctas=0):
+        kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
+                              topk_dynamic=True)
+        self.builds[-1].update(kind="fwd_ws", num_buffers=num_buffers, qk_chains=qk_chains,
+                               ctas=ctas)
+        return kernel
+
+    def get_pre(self, H, D):
+        def kernel(o, do):
+            return (o.float() * do.float()).sum(-1)
+
+        return kernel
+
+    def get_bwd(self, H, D, D_tail, topk, kv_group, sm_scale, max_block_h, topk_dynamic=False,
+                **extra):
+        self.builds.append(dict(kind="bwd", heads=H, dim=D, tail_dim=D_tail, topk=topk,
+                                topk_dynamic=topk_dynamic, **extra))
+
+        def kernel(q, kv, do, indices, lse, delta, dkv):
+            self._check_topk(topk, indices, topk_dynamic)
+            assert q.size(-1) == kv.size(-1) == dkv.size(-1) == D + D_tail
+            assert dkv.dtype == torch.float32
+            self.calls.append(dict(kind="bwd", q=q, kv=kv, indices=indices, dkv=dkv))
+            with torch.enable_grad():
+                qf = q.detach().float().requires_grad_()
+                kf = kv.detach().float().requires_grad_()
+                out = _attend(qf, kf, indices, sm_scale)
+                dq, dk = torch.autograd.grad(out, (qf, kf), do.float())
+            dkv += dk
+            return dq.to(q.dtype)
+
+        return kernel
+
+    def get_post(self, D, D_tail, kv_group):
+        self.builds.append(dict(kind="post", dim=D, tail_dim=D_tail))
+
+        def kernel(dkv):
+            assert dkv.size(-1) == D + D_tail
+            return dkv.to(torch.bfloat16)
+
+        return kernel
+
+
+class ShapeLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor an aten op makes while the hook runs (the fakes' own work excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    if sparse_mla.SparseMLA is None or tilelang_dsa.SparseMLA is None:
+        pytest.skip("SparseMLA is unavailable (tilelang is not importable)")
+    f = KernelFakes(None)
+    # looked up on each call, so _run_hook can wrap the fakes
+    monkeypatch.setattr(fwd_mod, "_get_sparse_mla_fwd_kernel", lambda *a, **k: f.get_fwd(*a, **k))
+    if has("0070"):
+        monkeypatch.setattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws_kernel",
+                            lambda *a, **k: f.get_fwd_ws(*a, **k))
+    monkeypatch.setattr(bwd_mod, "_get_preprocess_kernel", lambda *a, **k: f.get_pre(*a, **k))
+    monkeypatch.setattr(bwd_mod, "_get_bwd_kernel", lambda *a, **k: f.get_bwd(*a, **k))
+    monkeypatch.setattr(bwd_mod, "_get_postprocess_kernel", lambda *a, **k: f.get_post(*a, **k))
+    monkeypatch.setattr(dsa_kernels, "_ABSORBED_FIRST_CALL_REPORTED", True)  # keep logs quiet
+    for var in ("MCORE_DSA_REQUIRE_FUSED", "MCORE_DSA_CHECK_INDICES",
+                "MCORE_DSA_TILELANG_TOPK_BUCKET", "MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")  # whatever the head count
+    if not has("0070"):
+        yield f
+        return
+    # 0070's warp-specialized forward is tested on its own below; the tests here check the
+    # pipelined forward's build arguments
+    with options(fwd_warp_specialized=False):
+        yield f
+
+
+def _config(heads):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=heads,
+                                kv_lora_rank=512, qk_pos_emb_head_dim=0,
+                                dsa_kernel_backend="tilelang")
+
+
+def _inputs(width, topk, heads, sq, sk, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(sq, 1, heads, width, generator=g).to(torch.bfloat16).requires_grad_()
+    key = torch.randn(sk, 1, 1, width, generator=g).to(torch.bfloat16).requires_grad_()
+    idx = causal_random_indices(sq, sk, topk, g, offset=sk - sq).unsqueeze(0)  # int32
+    return query, key, idx
+
+
+def _run_hook(fakes, query, key, idx, scale):
+    log = ShapeLog()
+    orig = {n: getattr(fakes, n) for n in ("get_fwd", "get_fwd_ws", "get_pre", "get_bwd", "get_post")}
+
+    def paused(fn):
+        def wrapper(*a, **kw):
+            kernel = fn(*a, **kw)
+
+            def run(*ka):
+                log.paused = True
+                try:
+                    return kernel(*ka)
+                finally:
+                    log.paused = False
+
+            return run
+
+        return wrapper
+
+    for n, fn in orig.items():
+        setattr(fakes, n, paused(fn))
+    grad = torch.randn(query.size(0), 1, query.size(2), D_V,
+                       generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with log:
+        out = dsa_kernels.run_fused_absorbed_sparse_attention(
+            _config(query.size(2)), query, key, idx, scale, D_V)
+        assert out is not None, "the fused hook declined a supported shape"
+        out.backward(grad)
+    for n, fn in orig.items():
+        setattr(fakes, n, fn)
+    return out, grad, log.shapes
+
+
+def _reference_grads(query, key, idx, scale, grad):
+    q = query.detach().float().permute(1, 0, 2, 3).requires_grad_()
+    k = key.detach().float().permute(1, 0, 2, 3).requires_grad_()
+    out = sparse_attention_reference(q, k, idx.unsqueeze(2), scale, d_v=D_V)
+    out.backward(grad.float().permute(1, 0, 2, 3))
+    return out.permute(1, 0, 2, 3), q.grad.permute(1, 0, 2, 3), k.grad.permute(1, 0, 2, 3)
+
+
+# (topk, sq, sk, seq bucket): 2051 is GLM-5.3-Flash's k-pool width; sq = 256 keeps the default
+# 256-token sequence bucket copy-free, a bucket of 1 does the same for a short sq.
+NATIVE_CASES = [(2051, 8, 2100, "1"), (131, 256, 512, None)]
+
+
+@needs_tilelang
+@pytest.mark.parametrize("topk,sq,sk,bucket", NATIVE_CASES)
+def test_native_512_reaches_kernels_with_callers_storage(fakes, monkeypatch, topk, sq, sk,
+                                                         bucket):
+    if bucket is None:
+        monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    else:
+        monkeypatch.setenv("MCORE_DSA_TILELANG_SEQ_BUCKET", bucket)
+    heads, scale = 16, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, sq, sk)
+    out, grad, shapes = _run_hook(fakes, query, key, idx, scale)
+
+    # kernels built tail-free, for the bucketed top-k, taking the caller's width
+    kinds = {b["kind"]: b for b in fakes.builds}
+    assert kinds["fwd"]["tail_dim"] == 0 and kinds["fwd"]["dim"] == 512
+    assert kinds["fwd"]["topk"] == _round_up(topk, BLOCK_I) and kinds["fwd"]["topk_dynamic"]
+    assert kinds["bwd"]["tail_dim"] == 0 and kinds["bwd"]["dim"] == 512
+    assert kinds["bwd"]["topk"] == _round_up(topk, BWD_BLOCK) and kinds["bwd"]["topk_dynamic"]
+    assert kinds["post"]["tail_dim"] == 0
+    if has("0050"):  # 0050: zero-filled -1 rows; 16 heads keep the 128-thread bwd
+        assert kinds["fwd"]["skip_invalid_gather"] and kinds["bwd"]["skip_invalid_gather"]
+        assert kinds["bwd"]["threads"] == 128
+
+    # forward (and the backward's recompute without 0060) and backward read the caller's storage
+    calls = fakes.calls
+    assert [c["kind"] for c in calls] == NATIVE_CALLS
+    for c in calls:
+        assert c["q"].shape == (1, sq, heads, 512) and c["kv"].shape == (1, sk, 1, 512)
+        assert c["q"].data_ptr() == query.data_ptr()
+        assert c["kv"].data_ptr() == key.data_ptr()
+        assert c["indices"].shape == (1, sq, 1, topk)
+        assert c["indices"].data_ptr() == idx.data_ptr()
+    assert calls[-1]["dkv"].shape == (1, sk, 1, 512)
+
+    # no tensor 576 wide (padded q/k, dq, dkv) and no index tensor padded to 64 or 32
+    assert not [s for s in shapes if s[1] and s[1][-1] == 576], shapes
+    padded = {_round_up(topk, BLOCK_I), _round_up(topk, BWD_BLOCK)} - {topk}
+    assert not [s for s in shapes if s[1] and s[1][-1] in padded]
+
+    # and the numbers are the caller's attention
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
+    assert query.grad.shape == query.shape and key.grad.shape == key.shape
+    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
+        err = (got.float() - ref).norm() / ref.norm()
+        assert err < 2e-2, err
+
+
+@needs_tilelang
+@needs("0050")
+@pytest.mark.parametrize("heads,threads", [(16, 128), (32, 256), (64, 256)])
+@pytest.mark.parametrize("on", [True, False])
+def test_native_schedule_switch(fakes, heads, threads, on):
+    """0050: 256 bwd threads from a 32-head block up; NativeKernelOptions(schedule=False) gives
+    0030's native kernels (no zero-filled gather, 128 threads)."""
+    query, key, idx = _inputs(512, 131, heads, 256, 512)
+    with options(schedule=on):
+        _run_hook(fakes, query, key, idx, 0.05)
+    kinds = {b["kind"]: b for b in fakes.builds}
+    assert kinds["fwd"]["skip_invalid_gather"] is on and kinds["bwd"]["skip_invalid_gather"] is on
+    assert kinds["bwd"]["threads"] == (threads if on else 128)
+    if "split_store" in kinds["bwd"]:  # 16-head block: dKV staged in 8 slices (2 CTAs per SM)
+        assert kinds["bwd"]["split_store"] == (8 if on and heads == 16 else 2)
+
+
+@needs_tilelang
+@needs("0070")
+@pytest.mark.parametrize("heads,kernel_heads", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 128)])
+@pytest.mark.parametrize("ws", [True, False])
+@pytest.mark.parametrize("persist", [True, False])
+def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kernel_heads, ws, persist):
+    """0070: the native route's forward is the warp-specialized kernel at 16 and 32 kernel heads
+    (3 KV buffers at 16, 2 at 32, four score MMA chains; built for top-k rounded to a whole
+    number of buffer rounds of 64 indices, taking the caller's q, kv and indices) and the
+    pipelined one from 64 heads (its second consumer holds the whole output: no room at 64);
+    NativeKernelOptions(fwd_warp_specialized=False) gives the pipelined one everywhere (True is
+    the default). At 16 kernel heads it is persistent, one CTA per SM of the input's device,
+    unless fwd_ws_persistent=False; at 32 a CTA a query. The backward is the same."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    asked = []  # the CPU inputs stand for a device with 7 SMs
+
+    def props(device):
+        asked.append(torch.device(device))
+        return types.SimpleNamespace(multi_processor_count=7)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(fwd_warp_specialized=ws, fwd_ws_persistent=persist):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    on = ws and kernel_heads in (16, 32)
+    fwd = [b for b in fakes.builds if b["kind"] in ("fwd", "fwd_ws")]
+    assert {b["kind"] for b in fwd} == {"fwd_ws" if on else "fwd"}
+    assert fwd[0]["heads"] == kernel_heads and fwd[0]["tail_dim"] == 0
+    buffers = 3 if kernel_heads == 16 else 2
+    assert fwd[0]["topk"] == _round_up(topk, buffers * BLOCK_I if on else BLOCK_I)
+    if on:
+        assert fwd[0]["num_buffers"] == buffers and fwd[0]["qk_chains"] == 4
+        persistent = persist and kernel_heads == 16
+        assert fwd[0]["ctas"] == (7 if persistent else 0)
+        assert set(asked) == ({query.device} if persistent else set())
+    first = fakes.calls[0]
+    assert first["kind"] == "fwd" and first["indices"].data_ptr() == idx.data_ptr()
+    assert first["kv"].data_ptr() == key.data_ptr()
+    if heads == kernel_heads:
+        assert first["q"].data_ptr() == query.data_ptr()
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
+    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
+        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+
+
+@needs_tilelang
+def test_native_512_small_head_count_pads_heads_only(fakes):
+    query, key, idx = _inputs(512, 131, 8, 256, 512)
+    _run_hook(fakes, query, key, idx, 0.05)
+    fwd_call = fakes.calls[0]
+    assert fwd_call["q"].shape == (1, 256, 16, 512)  # heads padded to the 16-head tile
+    assert torch.count_nonzero(fwd_call["q"][:, :, 8:]) == 0
+    assert fwd_call["kv"].data_ptr() == key.data_ptr()
+    assert fwd_call["indices"].data_ptr() == idx.data_ptr()
+    assert query.grad.shape == query.shape
+    # padded heads: the hook's output is a copy, so SparseMLA recomputes instead of saving
+    assert [c["kind"] for c in fakes.calls] == ["fwd", "fwd", "bwd"]
+
+
+def _with_empty_rows(idx, rows):
+    idx = idx.clone()
+    idx[:, rows] = -1  # rows with no valid index: zero output and zero gradient
+    return idx
+
+
+@needs_tilelang
+@needs("0060")
+def test_native_save_output_matches_recompute(fakes, monkeypatch):
+    """0060: the native route keeps out/lse for backward (one forward kernel per fwd+bwd) and
+    gives what upstream's recompute gives (NativeKernelOptions(save_output=False)), including zero
+    output and gradients for rows with no valid index, which it no longer masks itself."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    heads, sq, sk, topk, scale = 16, 256, 512, 131, 512 ** -0.5
+    empty = [0, 5, 200]
+    results = {}
+    for save in (True, False):
+        fakes.calls.clear()
+        query, key, idx = _inputs(512, topk, heads, sq, sk)
+        idx = _with_empty_rows(idx, empty)
+        with options(save_output=save):
+            out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+        kinds = [c["kind"] for c in fakes.calls]
+        assert kinds == (["fwd", "bwd"] if save else ["fwd", "fwd", "bwd"])
+        results[save] = (out.detach(), query.grad, key.grad)
+    for saved, recomputed in zip(results[True], results[False]):
+        assert torch.equal(saved, recomputed)
+    out, dq, _ = results[True]
+    assert torch.count_nonzero(out[empty]) == 0 and torch.count_nonzero(dq[empty]) == 0
+    assert torch.count_nonzero(out) > 0 and torch.count_nonzero(dq) > 0
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
+    for got, ref in zip(results[True], (ref_out, ref_dq, ref_dk)):
+        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+
+
+@needs_tilelang
+@needs("0060")
+def test_native_batch_two_recomputes(fakes, monkeypatch):
+    """Batch > 1: the hook's output is a permuted copy, so SparseMLA recomputes (saving would
+    keep a second copy alive until backward)."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    g = torch.Generator().manual_seed(3)
+    heads, sq, sk, topk = 16, 256, 512, 131
+    query = torch.randn(sq, 2, heads, 512, generator=g).to(torch.bfloat16).requires_grad_()
+    key = torch.randn(sk, 2, 1, 512, generator=g).to(torch.bfloat16).requires_grad_()
+    idx = torch.stack([causal_random_indices(sq, sk, topk, g, offset=sk - sq) for _ in range(2)])
+    out = dsa_kernels.run_fused_absorbed_sparse_attention(_config(heads), query, key, idx,
+                                                          0.05, D_V)
+    assert out is not None and out.shape == (sq, 2, heads, D_V)
+    out.float().sum().backward()
+    assert [c["kind"] for c in fakes.calls] == ["fwd", "fwd", "bwd"]
+    assert query.grad.shape == query.shape and key.grad.shape == key.shape
+
+
+@needs_tilelang
+def test_576_keeps_the_rope_tail_path(fakes, monkeypatch):
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    topk, sq, sk, heads = 131, 256, 512, 16
+    query, key, idx = _inputs(576, topk, heads, sq, sk)
+    out, grad, _ = _run_hook(fakes, query, key, idx, 576 ** -0.5)
+    kinds = {b["kind"]: b for b in fakes.builds}
+    assert kinds["fwd"]["tail_dim"] == TAIL and not kinds["fwd"]["topk_dynamic"]
+    assert kinds["bwd"]["tail_dim"] == TAIL and not kinds["bwd"]["topk_dynamic"]
+    assert kinds["post"]["tail_dim"] == TAIL
+    if has("0050"):
+        assert not kinds["fwd"]["skip_invalid_gather"] and not kinds["bwd"]["skip_invalid_gather"]
+        assert kinds["bwd"]["threads"] == 128
+    padded = _round_up(topk, BLOCK_I)
+    for c in fakes.calls:
+        assert c["q"].size(-1) == 576 and c["kv"].size(-1) == 576
+        assert c["indices"].shape == (1, sq, 1, padded)  # -1 padded to a multiple of 64
+        assert bool((c["indices"][..., topk:] == -1).all())
+    assert fakes.calls[2]["dkv"].size(-1) == 576
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, 576 ** -0.5, grad)
+    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
+        assert (got.float() - ref).norm() / ref.norm() < 2e-2
