@@ -55,19 +55,13 @@ def _has_save_output():
         sparse_mla.SparseMLA.forward).parameters
 
 
-def _has_kv_len():
-    import inspect
-
-    return "kv_len" in inspect.signature(tilelang_utils._topk_index).parameters
-
-
 # patch number -> (what it adds, is it in the tree)
 FEATURES = {
     "0050": ("NativeKernelOptions.schedule", lambda: hasattr(tilelang_utils, "NativeKernelOptions")),
     "0060": ("SparseMLA(save_output=)", _has_save_output),
     "0070": ("the warp-specialized native forward",
              lambda: hasattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws_kernel")),
-    "0080": ("_topk_index(kv_len=)", _has_kv_len),
+    "0080": ("_index_in_kv", lambda: hasattr(tilelang_utils, "_index_in_kv")),
     "0090": ("MCORE_DSA_CHECK_INDICES", lambda: hasattr(dsa_kernels, "_check_topk_indices")),
 }
 
