@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # build_wheel.sh: dist/megatron_core-<pin>+<label>-cp312-*.whl from build/tree (the patched tree).
-# The copy it builds from gets two stamps, nothing else: the PEP 440 local label in
-# package_info.py and megatron/core/glm53_patches.py, the manifest of applied patches.
+# The copy it builds from gets two stamps and this project's own modules, nothing else: the PEP 440
+# local label in package_info.py, megatron/core/glm53_patches.py (the manifest of applied patches;
+# `python -m megatron.core.glm53_patches doctor` runs the doctor) and shipped/*.py into megatron/core/.
 # Reproducible: fixed SOURCE_DATE_EPOCH, source paths mapped out of the C++ extension.
 . "$(dirname "$0")/lib.sh"
 py=$VENV/bin/python
@@ -41,9 +42,13 @@ rows = "".join(
     '"""Patches applied to this megatron-core build (written by the glm53 patch series build)."""\n\n'
     f"BASE_VERSION = {base!r}\nLOCAL_LABEL = {label!r}\n"
     "# (file name, sha256 of the patch file), in the order applied\n"
-    f"PATCHES = (\n{rows})\n"
+    f"PATCHES = (\n{rows})\n\n"
+    'if __name__ == "__main__":  # python -m megatron.core.glm53_patches doctor\n'
+    "    from megatron.core.glm53_doctor import main\n\n"
+    "    raise SystemExit(main())\n"
 )
 PY
+cp "$ROOT"/shipped/*.py "$src/megatron/core/"
 
 note "building the wheel (setuptools, no build isolation; compiles megatron.core.datasets.helpers_cpp)"
 (cd "$src" && SOURCE_DATE_EPOCH=315532800 NO_VCS_VERSION=1 \

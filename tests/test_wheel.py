@@ -22,6 +22,8 @@ VERSION = f"{BASE}+{P['LOCAL_LABEL']}"
 # the wheel's tree has no upstream tests/, so tests-only patches are not applied to it
 IN_WHEEL = [n for n in series() if not only_touches_tests(ROOT / "patches" / n)]
 STAMPED = {"megatron/core/package_info.py", "megatron/core/glm53_patches.py"}
+# this project's own modules, added to the wheel from shipped/
+SHIPPED = {f"megatron/core/{p.name}": p for p in (ROOT / "shipped").glob("*.py")}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,8 @@ def test_wheel_modules_equal_the_patched_tree(wheel):
         for n in names:
             if n in STAMPED or n.endswith(".so"):
                 continue
-            assert z.read(n) == (TREE / n).read_bytes(), f"{n} differs from build/tree"
+            want = SHIPPED[n] if n in SHIPPED else TREE / n
+            assert z.read(n) == want.read_bytes(), f"{n} differs from {want}"
         shipped = set(names)
     tree_py = {str(p.relative_to(TREE)) for p in (TREE / "megatron" / "core").rglob("*.py")}
     assert tree_py <= shipped, sorted(tree_py - shipped)[:5]
@@ -114,6 +117,16 @@ def test_wheel_installs_into_fresh_env_with_patched_behaviour(wheel, tmp_path):
     # the patched hook: at 32 heads 512-wide q/k and 2051 indices reach the native kernels as is
     assert info["out"] == [8, 1, 32, 512]
     assert info["seen"] == [[[1, 8, 32, 512], [1, 2100, 1, 512], [1, 8, 1, 2051]]]
+    # the doctor, from the installed wheel: no GPU here, so it says the fused path cannot run,
+    # in its last line, and exits non-zero without a traceback
+    proc = subprocess.run([str(py), "-W", "ignore", "-m", "megatron.core.glm53_patches", "doctor"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert lines[-1].startswith("verdict: WILL FALL BACK to dense attention: no CUDA GPU"), lines
+    assert lines[0] == f"megatron-core {VERSION} (patch label {P['LOCAL_LABEL']})", lines
+    assert any(l.startswith("patches (") for l in lines) and any(l.startswith("GPU none") for l in lines)
 
 
 def _build_in(tmp, env):

@@ -1,0 +1,157 @@
+"""Check a training image for the GLM-5.3-Flash fused DSA path:
+
+  python -m megatron.core.glm53_patches doctor [--heads 16] [--tokens 4096]
+
+Prints the versions that matter (megatron-core and its patch label, torch and CUDA, TileLang,
+flash_mla and cudnn-frontend when present), the GPU, the applied patches and whether this build
+ships compiled kernels, then makes one small fused forward+backward at the GLM shape (q/k width
+512, top-k 2051, one KV head) through dsa_kernels.run_fused_absorbed_sparse_attention with
+MCORE_DSA_REQUIRE_FUSED=1, as DSAttention would call it. The last line is the verdict:
+
+  verdict: fused path OK (...)                              exit 0
+  verdict: WILL FALL BACK to dense attention: <reason>      exit 1 (the hook declines)
+  verdict: FUSED CALL FAILS: <error>                        exit 2 (training would stop)
+
+Shipped with this project's wheel as megatron/core/glm53_doctor.py (not megatron-core source).
+"""
+import argparse
+import importlib
+import importlib.metadata
+import os
+import shutil
+import sys
+import time
+
+GLM_TOPK = 2051  # 2048 top-k tokens + the query's incomplete k-pool of 4 (GLM-5.3-Flash)
+
+
+def _version(dist, module=None):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if module:
+        try:
+            return getattr(importlib.import_module(module), "__version__", "installed")
+        except Exception:  # noqa: BLE001 (a broken install is reported as such)
+            return None
+    return None
+
+
+def report(out):
+    """Print what is installed; return (torch, manifest or None)."""
+    import torch
+
+    import megatron.core as mc
+
+    try:
+        from megatron.core import glm53_patches as manifest
+    except ImportError:
+        manifest = None
+    label = manifest.LOCAL_LABEL if manifest else "none (not this project's build)"
+    out(f"megatron-core {mc.__version__} (patch label {label})")
+    out(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    for name, dist, module in (("tilelang", "tilelang", "tilelang"),
+                               ("flash_mla", "sgl-flash-mla", "flash_mla"),
+                               ("cudnn-frontend", "nvidia-cudnn-frontend", None)):
+        out(f"{name} {_version(dist, module) or 'not installed'}")
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        out(f"GPU {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+    else:
+        out("GPU none (torch.cuda.is_available() is False)")
+    if manifest:
+        out(f"patches ({len(manifest.PATCHES)}): " + ", ".join(n[:4] for n, _ in manifest.PATCHES))
+    out("shipped kernels: none in this build; TileLang compiles each kernel shape at its first call"
+        f" (nvcc {'found: ' + shutil.which('nvcc') if shutil.which('nvcc') else 'NOT on PATH'})")
+    return torch, manifest
+
+
+def causal_indices(tokens, topk, device):
+    """Row r attends to keys r, r-1, ..., r-topk+1 (distinct, -1 where there are fewer)."""
+    import torch
+
+    cols = torch.arange(topk, device=device, dtype=torch.int32)
+    rows = torch.arange(tokens, device=device, dtype=torch.int32).unsqueeze(1)
+    idx = rows - cols
+    return torch.where(idx >= 0, idx, torch.full_like(idx, -1)).unsqueeze(0)
+
+
+def fused_call(heads=16, tokens=4096, device="cuda"):
+    """One fused fwd+bwd through the hook with MCORE_DSA_REQUIRE_FUSED=1:
+    ("ok", details) | ("fallback", reason) | ("error", message)."""
+    import torch
+
+    from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=heads,
+                                  kv_lora_rank=512, qk_pos_emb_head_dim=0,
+                                  dsa_kernel_backend="tilelang")
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(tokens, 1, heads, 512, generator=g, device=device).to(torch.bfloat16)
+    k = torch.randn(tokens, 1, 1, 512, generator=g, device=device).to(torch.bfloat16)
+    q.requires_grad_()
+    k.requires_grad_()
+    idx = causal_indices(tokens, GLM_TOPK, device)
+    saved = os.environ.get("MCORE_DSA_REQUIRE_FUSED")
+    os.environ["MCORE_DSA_REQUIRE_FUSED"] = "1"
+    t0 = time.perf_counter()
+    try:
+        out = dsa_kernels.run_fused_absorbed_sparse_attention(config, q, k, idx, 512 ** -0.5, 512)
+        out.float().sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except RuntimeError as exc:
+        text = str(exc).split("\n")[0]
+        if "declined" in text:
+            return "fallback", text
+        return "error", f"{type(exc).__name__}: {text}"
+    except Exception as exc:  # noqa: BLE001 (whatever would stop a training step)
+        return "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        if saved is None:
+            os.environ.pop("MCORE_DSA_REQUIRE_FUSED", None)
+        else:
+            os.environ["MCORE_DSA_REQUIRE_FUSED"] = saved
+    seconds = time.perf_counter() - t0
+    finite = all(bool(torch.isfinite(t.float()).all()) for t in (out, q.grad, k.grad))
+    if not finite:
+        return "error", "the fused call returned non-finite values"
+    route = os.environ.get("MCORE_DSA_TILELANG_NOPE", "auto") or "auto"
+    return "ok", (f"tilelang backend, NoPE route {route}, {heads} heads, {tokens} tokens, top-k "
+                  f"{GLM_TOPK}: fwd+bwd in {seconds:.1f} s, first call, compiles included")
+
+
+def doctor(argv=None, out=print):
+    ap = argparse.ArgumentParser(prog="python -m megatron.core.glm53_patches doctor")
+    ap.add_argument("--heads", type=int, default=16, help="query heads per GPU (default 16)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args(argv)
+    try:
+        torch, _ = report(out)
+    except Exception as exc:  # noqa: BLE001 (an image without torch or megatron-core)
+        out(f"verdict: FUSED CALL FAILS: cannot import what the check needs: {exc}")
+        return 2
+    if not torch.cuda.is_available():
+        out("verdict: WILL FALL BACK to dense attention: no CUDA GPU here (the fused kernels "
+            "need one)")
+        return 1
+    status, text = fused_call(args.heads, args.tokens)
+    if status == "ok":
+        out(f"verdict: fused path OK ({text})")
+        return 0
+    if status == "fallback":
+        out(f"verdict: WILL FALL BACK to dense attention: {text}")
+        return 1
+    out(f"verdict: FUSED CALL FAILS: {text}")
+    return 2
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "doctor":
+        print("usage: python -m megatron.core.glm53_patches doctor [--heads N] [--tokens N]",
+              file=sys.stderr)
+        return 2
+    return doctor(argv[1:])

@@ -1,0 +1,83 @@
+"""The doctor (shipped/glm53_doctor.py, in the wheel as megatron.core.glm53_doctor): its fused
+call goes through the hook with MCORE_DSA_REQUIRE_FUSED=1 and reports ok / fallback / error, and
+its verdict is the last line with the exit code the training image's check relies on. The GPU
+itself is stood in for by the kernel-contract reference on CPU; the installed wheel's doctor on
+a machine without a GPU is checked in test_wheel.py."""
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from shell import ROOT
+from sparse_ref import ReferenceSparseMLA
+
+from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+sys.path.insert(0, str(ROOT / "shipped"))
+import glm53_doctor  # noqa: E402
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    monkeypatch.setattr(dsa_kernels, "_ABSORBED_FIRST_CALL_REPORTED", True)
+    monkeypatch.delenv("MCORE_DSA_REQUIRE_FUSED", raising=False)
+
+
+def test_fused_call_ok_through_the_hook(quiet, monkeypatch):
+    calls = []
+
+    class Recording(ReferenceSparseMLA):
+        @staticmethod
+        def apply(q, kv, idx, scale, *save):
+            calls.append((tuple(q.shape), tuple(idx.shape)))
+            return ReferenceSparseMLA.apply(q, kv, idx, scale)
+
+    monkeypatch.setattr(tilelang_dsa, "SparseMLA", Recording)
+    status, text = glm53_doctor.fused_call(heads=16, tokens=64, device="cpu")
+    assert status == "ok", text
+    assert "16 heads" in text and "top-k 2051" in text
+    assert calls == [((1, 64, 16, 512), (1, 64, 1, 2051))]  # the GLM shape, native route
+    import os
+
+    assert "MCORE_DSA_REQUIRE_FUSED" not in os.environ  # restored
+
+
+def test_fused_call_reports_a_decline(quiet, monkeypatch):
+    monkeypatch.setattr(tilelang_dsa, "SparseMLA", None)  # kernels unavailable: the hook declines
+    status, text = glm53_doctor.fused_call(heads=16, tokens=64, device="cpu")
+    assert status == "fallback" and "declined" in text
+
+
+def test_fused_call_reports_an_error(quiet, monkeypatch):
+    class Broken:
+        @staticmethod
+        def apply(*a):
+            raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(tilelang_dsa, "SparseMLA", Broken)
+    status, text = glm53_doctor.fused_call(heads=16, tokens=64, device="cpu")
+    assert status == "error" and "nvcc not found" in text
+
+
+@pytest.mark.parametrize("status,code,start", [
+    ("ok", 0, "verdict: fused path OK ("),
+    ("fallback", 1, "verdict: WILL FALL BACK to dense attention: "),
+    ("error", 2, "verdict: FUSED CALL FAILS: "),
+])
+def test_verdict_is_the_last_line_with_its_exit_code(monkeypatch, status, code, start):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
+    monkeypatch.setattr(glm53_doctor, "fused_call", lambda *a, **k: (status, "details"))
+    lines = []
+    assert glm53_doctor.doctor([], out=lines.append) == code
+    assert lines[-1].startswith(start) and "details" in lines[-1]
+    assert any(l.startswith("torch ") for l in lines) and any("compute capability 9.0" in l
+                                                             for l in lines)
+
+
+def test_usage_without_doctor_subcommand(capsys):
+    assert glm53_doctor.main([]) == 2
+    assert "usage" in capsys.readouterr().err
