@@ -4,10 +4,10 @@ SHELL := bash
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: help venv tree wheel test test-gpu bench test-upstream refresh check-patches rebase clean
+.PHONY: help deps venv tree wheel test test-gpu bench test-upstream refresh check-patches rebase clean
 
 help:
-	@echo "make wheel          build dist/megatron_core-<pin>+<label>-cp312-*.whl (pinned upstream + patches/)"
+	@echo "make wheel          build dist/megatron_core-<pin>+<label>-cp3{12,13}-*.whl (pinned upstream + patches/)"
 	@echo "make test           CPU test suite (series integrity, GLM-5.3 hook cases, numerics, wheel)"
 	@echo "make test-gpu       GPU tests against the built wheel (needs CUDA + TileLang)"
 	@echo "make bench          H200 benchmark -> reports/h200-bench.*"
@@ -16,8 +16,14 @@ help:
 	@echo "make refresh        re-export patches/ with stable quilt output"
 	@echo "make check-patches  dry-run the series against the pin (fuzz 0, no offset)"
 
-venv:
+# system tools (quilt, GNU patch, xz) from Debian's packages: installed when run as root, else one
+# line saying how, before anything is built or tested
+deps:
+	@bash ci/install-system-deps.sh
+
+venv: deps
 	bash scripts/setup_venv.sh
+	VENV=$(CURDIR)/.venv313 PYTHON_VERSION=3.13 bash scripts/setup_venv.sh requirements/build.txt
 
 tree: venv
 	bash scripts/prepare_tree.sh

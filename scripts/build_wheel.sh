@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# build_wheel.sh: dist/megatron_core-<pin>+<label>-cp312-*.whl from build/tree (the patched tree).
+# build_wheel.sh: dist/megatron_core-<pin>+<label>-cp3{12,13}-*-manylinux_*.whl from build/tree.
 # The copy it builds from gets two stamps and this project's own modules, nothing else: the PEP 440
 # local label in package_info.py, megatron/core/glm53_patches.py (the manifest of applied patches;
 # `python -m megatron.core.glm53_patches doctor` runs the doctor) and shipped/*.py into megatron/core/.
@@ -50,14 +50,28 @@ rows = "".join(
 PY
 cp "$ROOT"/shipped/*.py "$src/megatron/core/"
 
-note "building the wheel (setuptools, no build isolation; compiles megatron.core.datasets.helpers_cpp)"
-(cd "$src" && SOURCE_DATE_EPOCH=315532800 NO_VCS_VERSION=1 \
-  CFLAGS="-ffile-prefix-map=$src=." CXXFLAGS="-ffile-prefix-map=$src=." \
-  "$py" -m pip wheel --quiet --no-deps --no-build-isolation --disable-pip-version-check -w "$out" . >&2) ||
-  die "building the wheel failed"
-whl=$(ls "$out"/megatron_core-*.whl)
-mkdir -p "$DIST"
+# One wheel per Python (cp312 from .venv, cp313 from .venv313), each from the same prepared copy.
+# The platform tag is the manylinux tag auditwheel finds the extension consistent with (its symbol
+# versions: glibc 2.34 on this build host), set with `wheel tags`; nothing is grafted in.
 rm -f "$DIST"/megatron_core-*.whl
-cp "$whl" "$DIST/"
-note "built $DIST/$(basename "$whl") (sha256 $(sha256_of "$whl"))"
-echo "$DIST/$(basename "$whl")"
+mkdir -p "$DIST"
+for venv in "$VENV" "$VENV313"; do
+  bpy=$venv/bin/python
+  [ -x "$bpy" ] || die "no build environment at $venv: run 'make venv' first"
+  tag=$("$bpy" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  note "building the $tag wheel (setuptools, no build isolation; compiles megatron.core.datasets.helpers_cpp)"
+  rm -rf "$out" "$src/build" "$src"/*.egg-info
+  (cd "$src" && SOURCE_DATE_EPOCH=315532800 NO_VCS_VERSION=1 \
+    CFLAGS="-ffile-prefix-map=$src=." CXXFLAGS="-ffile-prefix-map=$src=." \
+    "$bpy" -m pip wheel --quiet --no-deps --no-build-isolation --disable-pip-version-check -w "$out" . >&2) ||
+    die "building the $tag wheel failed"
+  whl=$(ls "$out"/megatron_core-*-"$tag"-*linux_x86_64.whl) || die "no $tag wheel in $out"
+  plat=$("$py" -m auditwheel show "$whl" 2>&1 | sed -n 's/.*consistent with the following platform tag: "\(manylinux_[0-9_]*x86_64\)".*/\1/p')
+  [ -n "$plat" ] || die "auditwheel found $whl consistent with no manylinux tag: $("$py" -m auditwheel show "$whl" 2>&1 | tail -n 3)"
+  (cd "$out" && SOURCE_DATE_EPOCH=315532800 "$py" -m wheel tags --remove --platform-tag "$plat" "$(basename "$whl")" >/dev/null) ||
+    die "could not tag $whl as $plat"
+  tagged=$(ls "$out"/megatron_core-*-"$tag"-"$plat".whl)
+  cp "$tagged" "$DIST/"
+  note "built $DIST/$(basename "$tagged") (sha256 $(sha256_of "$tagged"))"
+  echo "$DIST/$(basename "$tagged")"
+done

@@ -18,7 +18,7 @@ py=${PYTHON:-python3}
 site=${MCORE_SITE:-/tmp/mcore-site}
 mkdir -p "$out" "$site"
 # MCORE_WHEEL: another wheel (e.g. an unpatched build, to compare upstream's tests against)
-whl=${MCORE_WHEEL:-$(ls dist/megatron_core-*.whl 2>/dev/null | head -n 1)}
+whl=${MCORE_WHEEL:-$(ls dist/megatron_core-*-$("$py" -c "import sys; print(f\"cp{sys.version_info[0]}{sys.version_info[1]}\")")-*.whl 2>/dev/null | head -n 1)}
 [ -n "$whl" ] || { echo "error: no wheel in dist/: run make wheel first" >&2; exit 1; }
 if ! "$py" -c "import tilelang" 2>/dev/null && [ -f .site/tilelang-site.tar.xz ]; then
   tar -xJf .site/tilelang-site.tar.xz -C "$site"

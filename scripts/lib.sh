@@ -10,6 +10,7 @@ BUILD=${BUILD:-$ROOT/build}
 DIST=${DIST:-$ROOT/dist}
 CACHE=${CACHE:-$ROOT/.cache}
 VENV=${VENV:-$ROOT/.venv}
+VENV313=${VENV313:-$ROOT/.venv313}  # builds the cp313 wheel (requirements/build.txt only)
 PATCHES=${PATCHES:-$ROOT/patches}
 SDIST_NAME=megatron_core-$MCORE_VERSION.tar.gz
 
@@ -35,23 +36,26 @@ need_patch() {
     die "GNU patch not found. Install it from Debian's packages: apt-get install -y patch"
 }
 
-# Python 3.12 (megatron-core >= 0.17 requires it). PYTHON312 overrides; pyenv installs are found too.
-find_python312() {
-  local c
-  if [ -n "${PYTHON312:-}" ]; then
-    "$PYTHON312" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1 ||
-      die "PYTHON312=$PYTHON312 is not a working Python 3.12 (megatron-core >= 0.17 needs 3.12)"
-    echo "$PYTHON312"; return 0
+# A Python of version $1 (3.12, 3.13): PYTHON312 / PYTHON313 override; pyenv installs are found too.
+# megatron-core >= 0.17 requires 3.12 or newer; the wheels are built for 3.12 and 3.13.
+find_python() {
+  local want=$1 var c
+  var=PYTHON${want/./}
+  if [ -n "${!var:-}" ]; then
+    "${!var}" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$want'.split('.'))))" >/dev/null 2>&1 ||
+      die "$var=${!var} is not a working Python $want"
+    echo "${!var}"; return 0
   fi
-  for c in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do
+  for c in "python$want" "$HOME"/.pyenv/versions/"$want"*/bin/"python$want" "/usr/bin/python$want"; do
     [ -n "$c" ] || continue
-    if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then
+    if "$c" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$want'.split('.'))))" >/dev/null 2>&1; then
       command -v "$c" 2>/dev/null || echo "$c"
       return 0
     fi
   done
-  die "python3.12 not found (megatron-core >= 0.17 needs Python 3.12). Install it (pyenv install 3.12, or Debian's python3.12) or set PYTHON312=/path/to/python3.12"
+  die "python$want not found (the wheels are built for Python 3.12 and 3.13). Install it (pyenv install $want, or Debian's python$want) or set $var=/path/to/python$want"
 }
+find_python312() { find_python 3.12; }
 
 # The patch series, in order: non-empty lines of patches/series without comments.
 series() { sed -e 's/[[:space:]]#.*//' -e 's/^#.*//' -e '/^[[:space:]]*$/d' "$PATCHES/series"; }

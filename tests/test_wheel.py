@@ -3,6 +3,7 @@ installable into a fresh environment with the patched behaviour in it, and repro
 import hashlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import sysconfig
@@ -26,25 +27,56 @@ STAMPED = {"megatron/core/package_info.py", "megatron/core/glm53_patches.py"}
 SHIPPED = {f"megatron/core/{p.name}": p for p in (ROOT / "shipped").glob("*.py")}
 
 
+PYTHONS = ("cp312", "cp313")  # megatron-core 0.19.0 on PyPI ships these two
+
+
 @pytest.fixture(scope="module")
-def wheel():
+def wheels():
+    """{python tag: wheel} from dist/."""
     found = sorted((ROOT / "dist").glob("megatron_core-*.whl"))
-    if not found:  # make test builds it first; a bare pytest run builds it here
+    if not found:  # make test builds them first; a bare pytest run builds them here
         script("build_wheel.sh", check=True)
         found = sorted((ROOT / "dist").glob("megatron_core-*.whl"))
-    assert len(found) == 1, found
-    return found[0]
+    by_tag = {w.name.split("-")[2]: w for w in found}
+    assert sorted(by_tag) == list(PYTHONS) and len(found) == len(PYTHONS), found
+    return by_tag
+
+
+@pytest.fixture(scope="module")
+def wheel(wheels):
+    """The wheel of the Python running the tests (cp312)."""
+    return wheels[f"cp{sys.version_info[0]}{sys.version_info[1]}"]
 
 
 def sha(path):
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
-def test_wheel_name_carries_pin_and_label(wheel):
-    assert wheel.name == f"megatron_core-{VERSION}-cp312-cp312-linux_x86_64.whl"
-    with zipfile.ZipFile(wheel) as z:
-        meta = z.read(f"megatron_core-{VERSION}.dist-info/METADATA").decode()
-    assert f"\nVersion: {VERSION}\n" in meta
+def test_wheel_names_carry_pin_label_python_and_manylinux_tag(wheels):
+    for py, wheel in wheels.items():
+        m = re.fullmatch(rf"megatron_core-{re.escape(VERSION)}-{py}-{py}-(manylinux_2_(\d+)_x86_64)\.whl",
+                         wheel.name)
+        assert m, wheel.name
+        with zipfile.ZipFile(wheel) as z:
+            meta = z.read(f"megatron_core-{VERSION}.dist-info/METADATA").decode()
+            tags = z.read(f"megatron_core-{VERSION}.dist-info/WHEEL").decode()
+        assert f"\nVersion: {VERSION}\n" in meta
+        assert f"Tag: {py}-{py}-{m.group(1)}" in tags and "linux_x86_64" not in tags.replace(m.group(1), "")
+        # the tag is the one the extension's symbol versions allow, no lower
+        shown = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)],
+                               capture_output=True, text=True).stdout
+        assert f'consistent with the following platform tag: "{m.group(1)}"' in " ".join(shown.split())
+
+
+def test_the_two_wheels_differ_only_in_the_extension_module(wheels):
+    contents = {}
+    for py, wheel in wheels.items():
+        with zipfile.ZipFile(wheel) as z:
+            contents[py] = {n: z.read(n) for n in z.namelist()
+                            if not n.endswith(".so") and not n.endswith((".dist-info/WHEEL", ".dist-info/RECORD"))}
+            sos = [n for n in z.namelist() if n.endswith(".so")]
+        assert len(sos) == 1 and f"cpython-{py[2:]}-x86_64-linux-gnu" in sos[0], sos
+    assert contents["cp312"] == contents["cp313"]
 
 
 def test_manifest_lists_applied_patches(wheel):
@@ -130,23 +162,56 @@ def test_wheel_installs_into_fresh_env_with_patched_behaviour(wheel, tmp_path):
 
 
 def _build_in(tmp, env):
+    """{file name: sha256} of the wheels built in tmp."""
     env = dict(env, BUILD=str(tmp / "build"), DIST=str(tmp / "dist"))
     proc = script("prepare_tree.sh", env=env)
     assert proc.returncode == 0, proc.stderr
     proc = script("build_wheel.sh", env=env)
     assert proc.returncode == 0, proc.stderr
-    return pathlib.Path(proc.stdout.strip().splitlines()[-1])
+    return {pathlib.Path(l).name: sha(l) for l in proc.stdout.strip().splitlines()}
 
 
 @pytest.mark.slow
-def test_rebuild_elsewhere_gives_the_same_bytes(wheel, tmp_path):
+def test_rebuild_elsewhere_gives_the_same_bytes(wheels, tmp_path):
     again = _build_in(tmp_path, {})
-    assert again.name == wheel.name
-    assert sha(again) == sha(wheel), "two builds from the same pin differ"
+    assert again == {w.name: sha(w) for w in wheels.values()}, "two builds from the same pin differ"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not submodule_filled(), reason="upstream/ submodule not filled (GitHub unreachable; see README)")
 def test_both_channels_give_the_same_wheel(tmp_path):
-    shas = {ch: sha(_build_in(tmp_path / ch, {"CHANNEL": ch})) for ch in ("git", "sdist")}
+    shas = {ch: _build_in(tmp_path / ch, {"CHANNEL": ch}) for ch in ("git", "sdist")}
     assert shas["git"] == shas["sdist"]
+
+
+def test_cp313_wheel_installs_into_a_fresh_python_313(wheels, tmp_path):
+    """No torch for 3.13 here: the cp313 wheel installs with its metadata and manifest, and its own
+    extension module (the part that differs from cp312) loads and works."""
+    base = subprocess.run([str(ROOT / ".venv313" / "bin" / "python"), "-c",
+                           "import sys; print(sys._base_executable)"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    env_dir = tmp_path / "fresh313"
+    subprocess.run([base, "-m", "venv", str(env_dir)], check=True)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                    "--disable-pip-version-check", str(wheels["cp313"])], check=True)
+    check = r"""
+import importlib.machinery, importlib.metadata, json, pathlib, runpy, sys, sysconfig
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+so = next((site / "megatron/core/datasets").glob("helpers_cpp*.so"))
+spec = importlib.util.spec_from_file_location("helpers_cpp", so)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+manifest = runpy.run_path(str(site / "megatron/core/glm53_patches.py"))
+print(json.dumps(dict(version=importlib.metadata.version("megatron-core"), so=so.name,
+    label=manifest["LOCAL_LABEL"], patches=[n for n, _ in manifest["PATCHES"]],
+    functions=sorted(n for n in dir(mod) if not n.startswith("_"))[:3])))
+"""
+    proc = subprocess.run([str(py), "-c", "import importlib.util\n" + check], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["version"] == VERSION and info["label"] == P["LOCAL_LABEL"]
+    assert info["patches"] == IN_WHEEL and "cpython-313" in info["so"] and info["functions"]
