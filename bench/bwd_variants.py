@@ -108,7 +108,7 @@ def main():
 
     import torch
 
-    from bench import timed  # bench/bench.py (this script's folder is on sys.path)
+    from bench import provenance, timed  # bench/bench.py (this script's folder is on sys.path)
     from sparse_ref import kpool_indices, rel_l2
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_bwd as bwd_mod,
@@ -125,7 +125,10 @@ def main():
     rows = []
     sink = open(out_dir / "bwd-variants.jsonl", "w")  # one line per variant as it finishes
 
+    prov = provenance()  # the wheel, its patches, the GPU, the revision, the date
+
     def emit(row):
+        row = dict(row, provenance=prov)
         print(json.dumps(row), flush=True)
         sink.write(json.dumps(row) + "\n")
         sink.flush()

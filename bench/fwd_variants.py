@@ -112,7 +112,7 @@ def main():
 
     import torch
 
-    from bench import FlashMLAFwd, flash_mla, timed
+    from bench import provenance, FlashMLAFwd, flash_mla, timed
     from sparse_ref import kpool_indices, rel_l2, sparse_attention_reference
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_fwd as fwd_mod,
@@ -126,7 +126,10 @@ def main():
         row["fwd_ms"] = statistics.median(times)
         row["fwd_ms_min"] = min(times)
 
+    prov = provenance()  # the wheel, its patches, the GPU, the revision, the date
+
     def emit(row):
+        row = dict(row, provenance=prov)
         print(json.dumps(row), flush=True)
         sink.write(json.dumps(row) + "\n")
         sink.flush()

@@ -92,7 +92,7 @@ def main(argv=None):
     os.environ["MCORE_DSA_REQUIRE_FUSED"] = "1"  # a decline raises instead of going dense
     if args.nope_route:
         os.environ["MCORE_DSA_TILELANG_NOPE"] = args.nope_route
-    if os.environ.get("MCORE_FROM_INSTALLED") != "1":
+    if os.environ.get("FROM_INSTALLED") != "1":
         sys.path.insert(0, str(ROOT / "build" / "tree"))
     sys.path.insert(0, str(ROOT / "tests"))
 

@@ -15,10 +15,10 @@ what=" ${1:-all} "
 has() { [[ $what == *" $1 "* || ( $what == *" all "* && ( $1 == tests || $1 == bench ) ) ]]; }
 out=${2:-reports/gpu-run}
 py=${PYTHON:-python3}
-site=${MCORE_SITE:-/tmp/mcore-site}
+site=${INSTALL_SITE:-/tmp/mcore-site}
 mkdir -p "$out" "$site"
-# MCORE_WHEEL: another wheel (e.g. an unpatched build, to compare upstream's tests against)
-whl=${MCORE_WHEEL:-$(ls dist/megatron_core-*-$("$py" -c "import sys; print(f\"cp{sys.version_info[0]}{sys.version_info[1]}\")")-*.whl 2>/dev/null | head -n 1)}
+# TEST_WHEEL: another wheel (e.g. an unpatched build, to compare upstream's tests against)
+whl=${TEST_WHEEL:-$(ls dist/megatron_core-*-$("$py" -c "import sys; print(f\"cp{sys.version_info[0]}{sys.version_info[1]}\")")-*.whl 2>/dev/null | head -n 1)}
 [ -n "$whl" ] || { echo "error: no wheel in dist/: run make wheel first" >&2; exit 1; }
 if ! "$py" -c "import tilelang" 2>/dev/null && [ -f .site/tilelang-site.tar.xz ]; then
   tar -xJf .site/tilelang-site.tar.xz -C "$site"
@@ -29,7 +29,7 @@ extra=$(ls .whl/*.whl 2>/dev/null || true)
 for p in ${WIP_PATCHES:-}; do
   patch -d "$site" -p1 --fuzz=0 --no-backup-if-mismatch <"$p" || { echo "error: $p does not apply" >&2; exit 1; }
 done
-export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} MCORE_FROM_INSTALLED=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FROM_INSTALLED=1 PYTHONUNBUFFERED=1
 {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null

@@ -16,7 +16,7 @@
 #   BASELINE=0      skip the unpatched run; then any upstream failure fails the target
 #   TREE=DIR        use an already-prepared patched tree (megatron/ + tests/), e.g. on a GPU host;
 #                   PRISTINE_TREE=DIR adds its unpatched counterpart for the comparison
-#   MCORE_FROM_INSTALLED=1  test the installed megatron-core (pip install dist/*.whl) instead of the
+#   FROM_INSTALLED=1  test the installed megatron-core (pip install dist/*.whl) instead of the
 #                   tree's megatron/ (the tests run from a copy of the tree without megatron/)
 #   NPROC=N         run the upstream tests under torch.distributed.run with N processes (GPU hosts;
 #                   upstream's CI uses 8); rank 0's results are summarised
@@ -59,7 +59,7 @@ rm -rf "$res"
 mkdir -p "$res"
 
 run_dir_for() {  # the directory pytest runs in: the tree, or a copy without megatron/ (installed wheel)
-  if [ "${MCORE_FROM_INSTALLED:-0}" = 1 ]; then
+  if [ "${FROM_INSTALLED:-0}" = 1 ]; then
     local d=$out/run-$2
     rm -rf "$d"
     mkdir -p "$d"
@@ -96,8 +96,8 @@ if [ -n "$pristine" ]; then
 fi
 
 # our GLM cases, with megatron from the patched tree (or the installed wheel)
-ours_env=(MCORE_FROM_INSTALLED=1)
-if [ "${MCORE_FROM_INSTALLED:-0}" != 1 ]; then ours_env+=(PYTHONPATH="$patched"); fi
+ours_env=(FROM_INSTALLED=1)
+if [ "${FROM_INSTALLED:-0}" != 1 ]; then ours_env+=(PYTHONPATH="$patched"); fi
 note "running $our_tests against the patched tree's megatron (log: ${res#"$ROOT"/}/pytest-ours.log)"
 # shellcheck disable=SC2086
 (cd "$ROOT" && env "${ours_env[@]}" "$py" -m pytest -p no:cacheprovider --junitxml="$res/junit-ours.xml" \

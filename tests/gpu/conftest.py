@@ -1,5 +1,5 @@
 """GPU tests: they need CUDA and TileLang, and skip with that reason elsewhere (CI has no GPU).
-`make test-gpu` runs them against the installed wheel (MCORE_FROM_INSTALLED=1)."""
+`make test-gpu` runs them against the installed wheel (FROM_INSTALLED=1)."""
 import importlib.util
 
 import pytest

@@ -1,0 +1,77 @@
+"""scripts/gpu_run.sh fails when any job it runs fails (a GPU test, a benchmark, a kernel A/B, a
+sanitizer run), and only then: every job is run here with a stand-in python (and a stand-in
+compute-sanitizer) that fails on demand, on a machine without a GPU."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from shell import ROOT
+
+FAKE_PY = r"""#!/usr/bin/env bash
+# stand-in python for gpu_run.sh: FAIL names the job that fails
+args="$*"
+fail() { [[ " $FAIL " == *" $1 "* ]] && exit 3; exit 0; }
+case "$args" in
+  *"sys.version_info"*) echo cp312 ;;
+  *bench/precompile.py*) fail precompile ;;
+  *bench/bwd_variants.py*) fail variants ;;
+  *bench/fwd_variants.py*) fail fwd ;;
+  *bench/bench.py*) fail bench ;;
+  *"-m pytest tests/gpu"*) echo "1 passed"; fail tests ;;
+  *bench/sanitize_*) fail sanitize ;;
+esac
+exit 0
+"""
+
+FAKE_CS = r"""#!/usr/bin/env bash
+# stand-in compute-sanitizer: runs the program (the stand-in python) and reports
+"${@: -2}" && echo "========= ERROR SUMMARY: 0 errors"
+"""
+
+
+def run(tmp_path, jobs, fail=""):
+    for name, text in (("python", FAKE_PY), ("compute-sanitizer", FAKE_CS)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    (tmp_path / "fake.whl").write_text("")
+    env = dict(os.environ, PYTHON=str(tmp_path / "python"), FAIL=fail,
+               COMPUTE_SANITIZER=str(tmp_path / "compute-sanitizer"),
+               INSTALL_SITE=str(tmp_path / "site"), TEST_WHEEL=str(tmp_path / "fake.whl"))
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), jobs, str(tmp_path / "out")],
+                          env=env, cwd=ROOT, capture_output=True, text=True)
+
+
+ALL = "tests variants fwd bench sanitize"
+
+
+def test_all_jobs_passing_exit_0(tmp_path):
+    proc = run(tmp_path, ALL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAILED" not in proc.stdout
+
+
+@pytest.mark.parametrize("job", ["tests", "variants", "fwd", "bench", "sanitize"])
+def test_any_failed_job_fails_the_command(tmp_path, job):
+    proc = run(tmp_path, ALL, fail=job)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "FAILED" in proc.stdout.splitlines()[-1]
+
+
+def test_a_failed_job_is_not_hidden_by_a_later_passing_one(tmp_path):
+    proc = run(tmp_path, ALL, fail="variants")  # the tests job runs after it and passes
+    assert proc.returncode != 0
+    assert "[FAILED: variants]" in proc.stdout
+
+
+def test_a_failed_precompile_stops_before_the_jobs(tmp_path):
+    proc = run(tmp_path, "tests", fail="precompile")
+    assert proc.returncode != 0 and "precompile failed" in proc.stderr
+
+
+def test_upstream_without_carried_tests_fails(tmp_path):
+    if (ROOT / ".upt" / "tests").is_dir():
+        pytest.skip(".upt/ is carried here; this case needs a tree without it")
+    proc = run(tmp_path, "upstream")
+    assert proc.returncode != 0 and "no .upt/" in proc.stderr
