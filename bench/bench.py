@@ -24,6 +24,10 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 bench/cudnn_peer.py says what it needs); out, dq, dk checked against the native
                 route (rel_l2_*_vs_native)
 
+  first_call_cold  512/2051  the first fused fwd+bwd (16 heads, 4k tokens, native route) in a fresh
+                process with an empty TileLang cache: what a training job's first step pays for
+                compiling the kernels (no compiled kernels ship with the wheel yet)
+
 Every fused row runs with MCORE_DSA_REQUIRE_FUSED=1, so a decline raises instead of running the dense
 fallback. Each row has a status: ok, oom, declined or error (with the message), never a silent gap,
 and the run's provenance (megatron-core version and label, a hash of the applied patches, GPU, git
@@ -229,6 +233,36 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
     return row
 
 
+COLD_CALL = r"""
+import os, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from glm53_doctor import fused_call
+t0 = time.perf_counter()
+status, text = fused_call(heads=16, tokens=4096)
+print(status, round(time.perf_counter() - t0, 3), text)
+"""
+
+
+def first_call_cold():
+    """The first fused fwd+bwd of a fresh process with an empty TileLang kernel cache."""
+    import tempfile
+
+    row = dict(name="first_call_cold", dim=512, width=2051, heads=16, seqlen=4096, oom=False)
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TILELANG_CACHE_DIR=cache, MCORE_DSA_TILELANG_NOPE="native")
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", COLD_CALL, str(ROOT / "shipped")], env=env,
+                              capture_output=True, text=True)
+        row["process_s"] = round(time.perf_counter() - t0, 3)
+    last = (proc.stdout.strip().splitlines() or [""])[-1].split(" ", 2)
+    if proc.returncode == 0 and last[0] == "ok":
+        row.update(status="ok", first_call_s=float(last[1]), shipped_kernels=False)
+    else:
+        row.update(status="error", msg=(proc.stdout + proc.stderr)[-500:])
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def run(args):
     import torch
 
@@ -252,6 +286,8 @@ def run(args):
         notes.append(f"cudnn, cudnn_fwd: {cudnn_reason}")
     dense_oom = {}
     idx_cache = {}
+    if not args.rows or "first_call_cold" in args.rows:
+        rows.append(first_call_cold())
     for heads, L in configs:
         if L not in idx_cache:
             idx_cache.clear()
@@ -400,7 +436,9 @@ def write_table(rows, notes, path):
         bad = {"oom": "OOM"}.get(status, status)
         fb = f"{r['fwd_bwd_ms']:.1f}" if "fwd_bwd_ms" in r else (bad if status != "ok" else "")
         fo = f"{r['fwd_ms']:.2f}" if "fwd_ms" in r else ""
-        mem = f"{r['peak_extra_gib']:.2f}" if "peak_extra_gib" in r else bad
+        if r["name"] == "first_call_cold" and "first_call_s" in r:
+            fb = f"first call {r['first_call_s']:.1f} s"
+        mem = f"{r['peak_extra_gib']:.2f}" if "peak_extra_gib" in r else ("" if status == "ok" else bad)
         note = []
         if "rel_l2_vs_padded" in r:
             note.append(f"rel L2 vs padded {r['rel_l2_vs_padded']:.1e}")
@@ -439,7 +477,8 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     def ok(r):
-        return r.get("status", "oom" if r.get("oom") else "ok") == "ok"
+        timed = "fwd_bwd_ms" in r or "fwd_ms" in r
+        return timed and r.get("status", "oom" if r.get("oom") else "ok") == "ok"
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(19, 5))
     names = sorted({r["name"] for r in rows}, key=lambda n: [r["name"] for r in rows].index(n))

@@ -76,7 +76,9 @@ def test_table_has_ratios_and_says_why_a_row_has_no_number(tmp_path):
             row("native", 64, 210.0, 2.0),
             dict(name="cudnn", dim=512, width=2051, heads=64, seqlen=32768, oom=False,
                  status="declined", msg="RuntimeError: DSA fused ... declined for query [...]"),
-            row("native_fwd", 16, 13.0, 0.2), row("cudnn_fwd", 16, 30.0, 8.0)]
+            row("native_fwd", 16, 13.0, 0.2), row("cudnn_fwd", 16, 30.0, 8.0),
+            dict(name="first_call_cold", dim=512, width=2051, heads=16, seqlen=4096, oom=False,
+                 status="ok", first_call_s=41.5, shipped_kernels=False)]
     rat = {(r["ours"], r["heads"]): r for r in bench.ratios(rows)}
     assert set(rat) == {("native", 16), ("native_fwd", 16)}  # no ratio against a declined row
     assert math.isclose(rat["native", 16]["time_ratio"], 0.9)
@@ -89,10 +91,13 @@ def test_table_has_ratios_and_says_why_a_row_has_no_number(tmp_path):
     assert "rel L2 vs native: out 2.0e-03, dq 9.0e-04, dk 7.0e-04" in text
     assert "| native / cudnn | 16 | 32768 | 0.900 |" in text
     assert "- a note" in text
+    assert "| first_call_cold | 512 | 2051 | 16 | 4096 | first call 41.5 s |  |  |  |" in text
 
 
 def test_render_rewrites_table_and_plot_from_jsonl(tmp_path):
-    rows = [row("native", 16, 90.0, 0.5), row("cudnn", 16, 100.0, 16.0)]
+    rows = [row("native", 16, 90.0, 0.5), row("cudnn", 16, 100.0, 16.0),
+            dict(name="first_call_cold", dim=512, width=2051, heads=16, seqlen=4096, oom=False,
+                 status="ok", first_call_s=41.5)]
     rows = [dict(r, provenance=dict(label="glm53nope.x", notes=["n1"])) for r in rows]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
