@@ -51,6 +51,11 @@ CONFIGS = {
     "bwd512_h16_t128_split8": _bwd(16, 0, 2080, 128, True, True, split_store=8),
     "bwd576_h32_t128": _bwd(32, 64, 2080, 128, False, False),
     "bwd512_h32_t256_dyn_skip": _bwd(32, 0, 2080, 256, True, True),
+    # 64 heads: two 32-head blocks (what sparse_mla_bwd runs) vs one 64-head block, each (query,
+    # key) added once (issue #17's lever); split 2 needs more shared memory than Hopper allows
+    "bwd512_h64_bh32_t256": _bwd(64, 0, 2080, 256, True, True),
+    "bwd512_h64_bh64_t256_split4": _bwd(64, 0, 2080, 256, True, True, block_h=64, split_store=4),
+    "bwd512_h64_bh64_t256_split8": _bwd(64, 0, 2080, 256, True, True, block_h=64, split_store=8),
     "fwd512_h16_pipelined": _fwd(16, 0, 2112, topk_dynamic=True, skip_invalid_gather=True),
     "fwd512_h64_pipelined": _fwd(64, 0, 2112, topk_dynamic=True, skip_invalid_gather=True),
 }
