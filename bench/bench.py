@@ -15,6 +15,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_sched0 512/2051  the same with NativeKernelOptions(schedule=False) (without 0050), 32k/16 heads
   native_recompute 512/2051  the same with NativeKernelOptions(save_output=False) (without 0060:
                 the backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads
+  native_bh32   512/2051  the same with NativeKernelOptions(bwd_max_block_h=32) (without 0100: two
+                32-head backward blocks at 64 heads), 32k/64 heads
   padded_fwd / native_fwd   the same, forward only
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
@@ -366,6 +368,9 @@ def run(args):
                                                          options=dict(schedule=False)))
                 add("native_recompute", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
                                                             idx, options=dict(save_output=False)))
+            if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
+                add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
+                                                       options=dict(bwd_max_block_h=32)))
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)

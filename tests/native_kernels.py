@@ -63,6 +63,9 @@ FEATURES = {
              lambda: hasattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws_kernel")),
     "0080": ("_index_in_kv", lambda: hasattr(tilelang_utils, "_index_in_kv")),
     "0090": ("MCORE_DSA_CHECK_INDICES", lambda: hasattr(dsa_kernels, "_check_topk_indices")),
+    "0100": ("NativeKernelOptions.bwd_max_block_h",
+             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
+             and "bwd_max_block_h" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
 }
 
 

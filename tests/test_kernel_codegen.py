@@ -104,10 +104,10 @@ def _fwd(sm90, heads, tail, topk, topk_dynamic, **extra):
     )
 
 
-def _bwd(sm90, heads, tail, topk, topk_dynamic, **extra):
+def _bwd(sm90, heads, tail, topk, topk_dynamic, max_block_h=32, **extra):
     return sm90(
-        _label("bwd", heads, tail, topk, topk_dynamic, extra),
-        bwd_mod.bwd, heads, D_V, tail, topk, 1, None, max_block_h=32,
+        _label("bwd", heads, tail, topk, topk_dynamic, dict(extra, max_block_h=max_block_h)),
+        bwd_mod.bwd, heads, D_V, tail, topk, 1, None, max_block_h=max_block_h,
         topk_dynamic=topk_dynamic, **extra,
     )
 
@@ -291,3 +291,20 @@ def test_native_kernels_compare_every_index_with_the_kv_length(sm90):
         assert fwd.count(compare) >= 2 and bwd.count(compare) >= 3, heads
     for src, _, _ in (_fwd(sm90, 16, TAIL, 2048, False), _bwd(sm90, 16, TAIL, 2048, False)):
         assert "(uint)seq_len_kv" not in src
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0100")
+def test_native_bwd_64_head_block_fits(sm90):
+    """0100: the native backward at 64 kernel heads as one 64-head block (256 threads, dKV staged
+    in 8 slices) builds for sm_90a within the shared memory limit, with 0080's index test."""
+    btopk = _round_up(2051, BWD_BLOCK)
+    one, one_smem, _ = _bwd(sm90, 64, 0, btopk, True, max_block_h=64, threads=256,
+                            skip_invalid_gather=True, split_store=8)
+    two, two_smem, _ = _bwd(sm90, 64, 0, btopk, True, threads=256, skip_invalid_gather=True)
+    # a 64-row Q/dO tile: more shared memory than the 32-head block's, within the limit only
+    # because dKV is staged in 8 slices (2 would need 237568 B)
+    assert _only_smem(two_smem) < _only_smem(one_smem) == 212992 <= SM90_MAX_DYN_SMEM
+    assert "__launch_bounds__(256" in one and "576" not in one
+    assert one.count("< ((uint)seq_len_kv)") >= 3 and one.count("AtomicAddx4(") > 0

@@ -102,7 +102,7 @@ class KernelFakes:
     def get_bwd(self, H, D, D_tail, topk, kv_group, sm_scale, max_block_h, topk_dynamic=False,
                 **extra):
         self.builds.append(dict(kind="bwd", heads=H, dim=D, tail_dim=D_tail, topk=topk,
-                                topk_dynamic=topk_dynamic, **extra))
+                                topk_dynamic=topk_dynamic, max_block_h=max_block_h, **extra))
 
         def kernel(q, kv, do, indices, lse, delta, dkv):
             self._check_topk(topk, indices, topk_dynamic)
@@ -296,7 +296,35 @@ def test_native_schedule_switch(fakes, heads, threads, on):
     assert kinds["fwd"]["skip_invalid_gather"] is on and kinds["bwd"]["skip_invalid_gather"] is on
     assert kinds["bwd"]["threads"] == (threads if on else 128)
     if "split_store" in kinds["bwd"]:  # 16-head block: dKV staged in 8 slices (2 CTAs per SM)
-        assert kinds["bwd"]["split_store"] == (8 if on and heads == 16 else 2)
+        eight = (16, 64) if has("0100") else (16,)  # 0100: the 64-head block needs 8 to fit
+        assert kinds["bwd"]["split_store"] == (8 if on and heads in eight else 2)
+
+
+@needs_tilelang
+@needs("0100")
+@pytest.mark.parametrize("heads,block_h", [(16, 16), (32, 32), (64, 64), (128, 64)])
+@pytest.mark.parametrize("max_block_h", [None, 32])
+def test_native_backward_head_block(fakes, monkeypatch, heads, block_h, max_block_h):
+    """0100: the native backward takes a head block of up to 64 (one block of 256 threads at 64
+    kernel heads, dKV staged in 8 slices, so each (query, key) is added to dKV once; two at
+    128); NativeKernelOptions(bwd_max_block_h=32) gives two 32-head blocks at 64 heads (2 slices);
+    upstream's MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H still wins over both."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    query, key, idx = _inputs(512, 131, heads, 256, 512)
+    changes = {} if max_block_h is None else dict(bwd_max_block_h=max_block_h)
+    with options(**changes):
+        _run_hook(fakes, query, key, idx, 0.05)
+    bwd = [b for b in fakes.builds if b["kind"] == "bwd"]
+    assert len(bwd) == 1
+    want = block_h if max_block_h is None else min(block_h, max_block_h)
+    assert bwd[0]["max_block_h"] == (64 if max_block_h is None else max_block_h)
+    assert bwd[0]["threads"] == (256 if want >= 32 else 128)
+    assert bwd[0]["split_store"] == (8 if want in (16, 64) else 2)
+    # upstream's variable overrides the option
+    fakes.builds.clear()
+    monkeypatch.setenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", "32")
+    _run_hook(fakes, query, key, idx, 0.05)
+    assert [b["max_block_h"] for b in fakes.builds if b["kind"] == "bwd"] == [32]
 
 
 @needs_tilelang

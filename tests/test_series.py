@@ -43,6 +43,18 @@ def test_dep3_header_and_stable_form(name):
     assert "Forwarded" in fields or "Applied-Upstream" in fields, f"{name}: Forwarded/Applied-Upstream"
     datetime.date.fromisoformat(fields["Last-Update"])
     assert re.match(r"(upstream|backport|vendor|other)\b", fields["Origin"]), fields["Origin"]
+    # Upstream-Status in Yocto's vocabulary: Backport only for what upstream accepted (Origin
+    # upstream or backport); Submitted and Backport say where; our own changes are Pending.
+    status = fields.get("Upstream-Status", "")
+    m = re.fullmatch(r"(Pending|Submitted|Accepted|Backport|Denied|Inactive-Upstream|"
+                     r"Inappropriate)(?: \[(.+)\])?", status)
+    assert m, f"{name}: Upstream-Status {status!r} is not Yocto's vocabulary"
+    if m[1] in ("Submitted", "Backport", "Denied", "Inappropriate"):
+        assert m[2], f"{name}: Upstream-Status {m[1]} needs [where/why]"
+    if m[1] == "Backport":
+        assert re.match(r"(upstream|backport)\b", fields["Origin"]), f"{name}: Backport of what?"
+    if fields["Origin"].startswith("vendor"):
+        assert m[1] in ("Pending", "Submitted", "Inappropriate"), f"{name}: vendor patch is {m[1]}"
     # the Description's body says why (DEP-3 long description)
     assert re.search(r"^Description: .+\n (?:\S.*\n)+", header, re.M), f"{name}: no description body"
     body = "--- a/" + diff

@@ -78,6 +78,26 @@ def test_fused_matches_fp32_reference(width, route, topk, heads, sq):
         assert torch.count_nonzero(out[r]) == 0 and torch.count_nonzero(dq[r]) == 0
 
 
+# Every tile configuration of the native backward gets its own gradient test (a mis-tiled kernel
+# can be exact at one head count and wrong at another): the 64-head block (0100: 64 and 128
+# kernel heads), and two 32-head blocks at 64 heads (NativeKernelOptions(bwd_max_block_h=32)).
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads,max_block_h", [(64, 64), (64, 32), (128, 64), (128, 32)])
+def test_native_backward_head_blocks_match_fp32_reference(monkeypatch, heads, max_block_h, topk):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    sq, empty = 200, (5,)
+    q, k, do, idx = make(sq, heads, 512, topk, seed=heads + max_block_h + topk, empty_rows=empty)
+    with override_native_kernel_options(bwd_max_block_h=max_block_h):
+        got = run_fused(q, k, idx, do)
+    ref = run_reference(q, k, idx, do)
+    for name, a, b in zip(("out", "dq", "dk"), got, ref):
+        assert torch.isfinite(a.float()).all(), f"{name} has non-finite values"
+        err = rel_l2(a, b)
+        assert err < TOL, f"{name}: relative L2 error {err:.2e}"
+    assert torch.count_nonzero(got[1][empty[0]]) == 0
+
+
 @pytest.fixture
 def strict(monkeypatch):
     monkeypatch.setenv("MCORE_DSA_REQUIRE_FUSED", "1")  # a decline raises
