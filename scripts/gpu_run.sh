@@ -82,9 +82,10 @@ if has sanitize; then
   # compute-sanitizer with --error-exitcode: an error it finds, a failed check in the script or a
   # run that does not finish in SANITIZE_TIMEOUT seconds fails the job (and the command)
   cs=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+  # SANITIZE_RUNS: TOOL:SCRIPT[:ARG] each (racecheck:sanitize_ws:--quick)
   for run in ${SANITIZE_RUNS:-memcheck:sanitize_native memcheck:sanitize_ws synccheck:sanitize_ws racecheck:sanitize_ws}; do
-    tool=${run%%:*} prog=${run#*:}
-    timeout "${SANITIZE_TIMEOUT:-400}" "$cs" --tool "$tool" --error-exitcode 1 "$py" "bench/$prog.py" \
+    IFS=: read -r tool prog arg <<<"$run"
+    timeout "${SANITIZE_TIMEOUT:-400}" "$cs" --tool "$tool" --error-exitcode 1 "$py" "bench/$prog.py" ${arg:+"$arg"} \
       >"$out/sanitizer-$tool-$prog.log" 2>&1 || failed "sanitizer $tool $prog"
     summary="$summary; $tool $prog: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool-$prog.log" | tail -n 1)"
   done
