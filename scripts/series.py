@@ -28,9 +28,16 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FUZZ = 0
 TESTS_SECTION = "# upstream's own tests"
-# GNU patch as dpkg uses it: strip a/ b/, no fuzz, batch mode, unified rejects to stdout only,
-# no backup files. Callers add -N / -R / --dry-run.
-PATCH_ARGS = ("-p1", f"-F{FUZZ}", "-t", "-u", "-V", "never", "--no-backup-if-mismatch", "-r", "-")
+
+
+def patch_args(fuzz=FUZZ):
+    """GNU patch as dpkg uses it: strip a/ b/, no fuzz, batch mode, unified diffs, no reject
+    or backup files. Callers add -N / -R / --dry-run."""
+    return ("-p1", f"-F{fuzz}", "-t", "-u", "-V", "never", "--no-backup-if-mismatch", "-r", "-")
+
+
+PATCH_ARGS = patch_args()
+
 # quilt, stable output: no timestamps, no index lines, sorted files, fuzz 0 (quilt's default push
 # allows fuzz 2), unified rejects. lib.sh's quilt runs with --quiltrc - so ~/.quiltrc cannot change it.
 QUILT_SETTINGS = {
