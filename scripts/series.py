@@ -3,7 +3,8 @@ options every patch and quilt run uses. Python imports it (scripts/rebase.py, te
 through scripts/lib.sh (series, tests_only, patch_args, quilt). Standard library only.
 
   series.py [--patches DIR] list              the series in order, one patch name a line
-  series.py [--patches DIR] tests-only PATCH  exit 0 when PATCH (a file, or a name in DIR) is tests-only
+  series.py [--patches DIR] tests-only PATCH  exit 0 when PATCH (a file, or a name in DIR) is
+                                              tests-only
   series.py [--patches DIR] check             exit 1 naming each tests-only patch outside the tests
                                               section of the series, or a patch of it that is not
   series.py patch-args                        GNU patch's options (fuzz 0 ...), one a line
@@ -39,7 +40,8 @@ def patch_args(fuzz=FUZZ):
 PATCH_ARGS = patch_args()
 
 # quilt, stable output: no timestamps, no index lines, sorted files, fuzz 0 (quilt's default push
-# allows fuzz 2), unified rejects. lib.sh's quilt runs with --quiltrc - so ~/.quiltrc cannot change it.
+# allows fuzz 2), unified rejects. lib.sh's quilt runs with --quiltrc - so ~/.quiltrc cannot
+# change them.
 QUILT_SETTINGS = {
     "QUILT_PUSH_ARGS": f"--fuzz={FUZZ}",
     "QUILT_REFRESH_ARGS": "-p ab --no-timestamps --no-index --sort --strip-trailing-whitespace",
@@ -131,7 +133,8 @@ def problems(patches=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="series.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--patches", type=pathlib.Path, help="the patches folder (default $PATCHES or patches/)")
+    ap.add_argument("--patches", type=pathlib.Path,
+                    help="the patches folder (default $PATCHES or patches/)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the series in order")
     t = sub.add_parser("tests-only", help="exit 0 when PATCH touches only tests/")
