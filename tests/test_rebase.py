@@ -22,6 +22,9 @@ TILELANG = "megatron/core/transformer/experimental_attention_variant/ops/tilelan
 DATE = "2030-01-02"
 VENV = pathlib.Path(sys.prefix) if (pathlib.Path(sys.prefix) / "bin" / "python").exists() else ROOT / ".venv"
 
+# make rebase's variables, once (GIT: once) read from the environment by rebase.sh
+OLD_ENV = ("DRY_RUN", "SHA256", "GIT_COMMIT", "REBASE_SDIST", "REBASE_DATE")
+
 pytestmark = pytest.mark.slow
 
 
@@ -73,8 +76,7 @@ def rebase(repo, version, sdist, dry_run=False, options=(), env=None, upstream=N
     full_env = dict(os.environ, VENV=str(VENV), CACHE=str(repo.parent / "cache"),
                     UPSTREAM=str(upstream or repo.parent / "no-upstream"),
                     GIT_CEILING_DIRECTORIES=str(repo.parent))
-    for var in ("PIN_FILE", "PATCHES", "BUILD", "DIST", "DRY_RUN", "SHA256", "REBASE_SDIST", "REBASE_DATE",
-                "GIT_COMMIT", "GIT"):
+    for var in ("PIN_FILE", "PATCHES", "BUILD", "DIST", *OLD_ENV, "GIT"):
         full_env.pop(var, None)
     full_env.update(env or {})
     cmd = [str(VENV / "bin" / "python"), str(repo / "scripts" / "rebase.py"), "run", version,
@@ -239,12 +241,14 @@ def test_git_in_the_environment_has_no_effect_and_git_commit_pairs_the_channels(
     assert f"to:   megatron-core {version} (git {commit})" in res.stdout, res.stdout
     assert f"git channel: {commit} (given as --git-commit {commit})" in res.stdout
     assert f"+MCORE_GIT_COMMIT={commit}" in res.stdout
-    first = res.stdout.splitlines()[0]  # the command, as this script's options and as make's variables
-    assert first.startswith(f"# scripts/rebase.py run {version} --dry-run --git-commit {commit} --sdist ")
+    first = res.stdout.splitlines()[0]  # the command: this script's options, make's variables
+    assert first.startswith(
+        f"# scripts/rebase.py run {version} --dry-run --git-commit {commit} --sdist ")
     assert f"(make rebase TO={version} DRY_RUN=1 GIT_COMMIT={commit} REBASE_SDIST=" in first
     assert snapshot(repo) == before
     # a commit that is not there is an error, not a PyPI-only pin
-    res = rebase(repo, version, sdist, dry_run=True, options=["--git-commit", "f" * 40], upstream=up)
+    res = rebase(repo, version, sdist, dry_run=True, options=["--git-commit", "f" * 40],
+                 upstream=up)
     assert res.returncode == 1 and f"--git-commit {'f' * 40}: no such commit" in res.stderr
     assert snapshot(repo) == before
 
@@ -252,10 +256,11 @@ def test_git_in_the_environment_has_no_effect_and_git_commit_pairs_the_channels(
 def test_the_old_environment_interface_is_refused_not_ignored(repo, tmp_path):
     """DRY_RUN=1 in the environment without --dry-run would rewrite the pin: refused."""
     before = snapshot(repo)
-    for var, value, option in (("DRY_RUN", "1", "--dry-run"), ("REBASE_SDIST", "x.tar.gz", "--sdist"),
-                               ("SHA256", "ab" * 32, "--sha256"), ("REBASE_DATE", DATE, "--date")):
-        res = subprocess.run([str(VENV / "bin" / "python"), str(repo / "scripts" / "rebase.py"), "run",
-                              "0.19.99"], cwd=repo, env=dict(os.environ, **{var: value}),
+    for var, value, option in (("DRY_RUN", "1", "--dry-run"), ("SHA256", "ab" * 32, "--sha256"),
+                               ("REBASE_SDIST", "x.tar.gz", "--sdist"),
+                               ("REBASE_DATE", DATE, "--date")):
+        cmd = [str(VENV / "bin" / "python"), str(repo / "scripts" / "rebase.py"), "run", "0.19.99"]
+        res = subprocess.run(cmd, cwd=repo, env=dict(os.environ, **{var: value}),
                              capture_output=True, text=True)
         assert res.returncode == 1 and f"{var}={value} is in the environment" in res.stderr
         assert option in res.stderr
@@ -264,10 +269,10 @@ def test_the_old_environment_interface_is_refused_not_ignored(repo, tmp_path):
 
 def test_make_rebase_passes_its_variables_as_options():
     def recipe(*args, env=None):
-        full = {k: v for k, v in os.environ.items()
-                if k not in ("DRY_RUN", "SHA256", "GIT_COMMIT", "REBASE_SDIST", "REBASE_DATE", "MAKEFLAGS")}
-        out = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT), "rebase", *args],
-                             env=dict(full, **(env or {})), capture_output=True, text=True, check=True).stdout
+        full = {k: v for k, v in os.environ.items() if k not in (*OLD_ENV, "MAKEFLAGS")}
+        make = ["make", "-n", "--no-print-directory", "-C", str(ROOT), "rebase", *args]
+        out = subprocess.run(make, env=dict(full, **(env or {})), capture_output=True, text=True,
+                             check=True).stdout
         return " ".join(out[out.index("scripts/rebase.py run"):].replace("\\\n", " ").split())
     assert recipe("TO=0.19.2", "DRY_RUN=1", "GIT_COMMIT=abc", "SHA256=00") == (
         'scripts/rebase.py run "0.19.2" --dry-run=1 --sha256 "00" --git-commit "abc"')
