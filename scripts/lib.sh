@@ -1,5 +1,5 @@
-# Shared by the scripts: the pin, paths, tool checks, and series.py's series and quilt settings. Source
-# it; don't run it.
+# Shared by the scripts: the pin, paths and tool checks, and thin callers of scripts/series.py (the
+# series, the tests-only rule, the patch and quilt options). Source it; don't run it.
 set -euo pipefail
 export LC_ALL=C
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
