@@ -12,7 +12,7 @@ help:
 	@echo "make test-gpu       GPU tests against the built wheel (needs CUDA + TileLang)"
 	@echo "make bench          H200 benchmark -> reports/h200-bench.*"
 	@echo "make test-upstream  Megatron-LM's own tests for this code on the patched tree (needs upstream/)"
-	@echo "make rebase TO=.. [DRY_RUN=1]  move the pin to a megatron-core version or Megatron-LM git ref"
+	@echo "make rebase TO=.. [DRY_RUN=1] [GIT_COMMIT=..]  move the pin to a megatron-core version or Megatron-LM git ref"
 	@echo "make refresh        re-export patches/ with stable quilt output"
 	@echo "make check-patches  dry-run the series against the pin (fuzz 0, no offset)"
 
@@ -41,8 +41,14 @@ test-gpu:
 bench:
 	bash scripts/gpu_run.sh bench reports/gpu-run
 
+# make rebase TO=<version | git ref> [DRY_RUN=1] [SHA256=<hex>] [GIT_COMMIT=<ref>] [REBASE_SDIST=FILE]
+# [REBASE_DATE=Y-M-D]: scripts/rebase.py's options. GIT_COMMIT is read from this command line only
+# (CI systems export their own GIT_COMMIT); the others also from the environment.
 rebase: venv
-	bash scripts/rebase.sh "$(TO)"
+	$(PY) scripts/rebase.py run "$(TO)" $(if $(DRY_RUN),--dry-run=$(DRY_RUN)) \
+	  $(if $(SHA256),--sha256 "$(SHA256)") \
+	  $(if $(filter command line,$(origin GIT_COMMIT)),--git-commit "$(GIT_COMMIT)") \
+	  $(if $(REBASE_SDIST),--sdist "$(REBASE_SDIST)") $(if $(REBASE_DATE),--date "$(REBASE_DATE)")
 
 test-upstream: venv
 	bash scripts/test_upstream.sh

@@ -19,7 +19,11 @@ if [ "$check" = 1 ]; then
   cp -a "$dir/." "$scratch/"
   dir=$scratch
 fi
-mapfile -t list < <(series)
+names=$(series) || die "cannot read $PATCHES/series"
+mapfile -t list <<<"$names"
+[ -n "$names" ] || list=()
+mapfile -t pargs < <(patch_args)
+[ ${#pargs[@]} -gt 0 ] || die "scripts/series.py patch-args printed no options"
 if [ "$reverse" = 1 ]; then
   for ((i = 0, j = ${#list[@]} - 1; i < j; i++, j--)); do t=${list[i]}; list[i]=${list[j]}; list[j]=$t; done
 fi
@@ -30,7 +34,7 @@ for p in "${list[@]}"; do
     echo "skipped $p (tests only; this tree has no tests/)"
     continue
   fi
-  args=(-d "$dir" -p1 -F0 -N -t -u -V never --no-backup-if-mismatch -r - -i "$PATCHES/$p")
+  args=(-d "$dir" "${pargs[@]}" -N -i "$PATCHES/$p")
   [ "$reverse" = 1 ] && args=(-R "${args[@]}")
   if ! out=$(patch "${args[@]}" 2>&1); then
     printf '%s\n' "$out" >&2

@@ -1,4 +1,5 @@
-# Shared by the scripts: the pin, paths, tool checks and quilt's settings. Source it; don't run it.
+# Shared by the scripts: the pin, paths and tool checks, and thin callers of scripts/series.py (the
+# series, the tests-only rule, the patch and quilt options). Source it; don't run it.
 set -euo pipefail
 export LC_ALL=C
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -17,15 +18,29 @@ SDIST_NAME=megatron_core-$MCORE_VERSION.tar.gz
 die() { echo "error: $*" >&2; exit 1; }
 note() { echo "==> $*" >&2; }
 
-# quilt, stable output: no timestamps, no index lines, sorted files, fuzz 0 (quilt's default push
-# allows fuzz 2), unified rejects. quilt is always run with --quiltrc - so ~/.quiltrc cannot change this.
+# The series, the tests-only rule and the patch/quilt options belong to scripts/series.py; the
+# functions below only call it. Its Python: the venv's, else python3, else a 3.12 (stdlib only).
+series_py() {
+  local py=$VENV/bin/python
+  [ -x "$py" ] || py=$(command -v python3 2>/dev/null) || py=$(find_python 3.12)
+  "$py" "$ROOT/scripts/series.py" --patches "$PATCHES" "$@"
+}
+# The patch series, in order (patches/series without comments and blank lines).
+series() { series_py list; }
+# Does patch file $1 touch something, and only upstream's tests/ (which only the git channel has)?
+tests_only() { series_py tests-only "$1"; }
+# GNU patch's options (fuzz 0, ...): mapfile -t args < <(patch_args)
+patch_args() { series_py patch-args; }
+
+# quilt with series.py's stable settings (fuzz 0, no timestamps, no index lines, ...), always run
+# with --quiltrc - so ~/.quiltrc cannot change them. QUILT_PATCHES and QUILT_SERIES are the caller's.
 export QUILT_PATCHES=$PATCHES
-export QUILT_PUSH_ARGS="--fuzz=0"
-export QUILT_REFRESH_ARGS="-p ab --no-timestamps --no-index --sort --strip-trailing-whitespace"
-export QUILT_DIFF_ARGS="-p ab --no-timestamps --no-index --sort"
-export QUILT_PATCH_OPTS="--unified --reject-format=unified"
-export QUILT_DIFF_OPTS="--show-c-function"
-quilt() { command quilt --quiltrc - "$@"; }
+quilt() {
+  local settings
+  mapfile -t settings < <(series_py quilt-env)
+  [ ${#settings[@]} -gt 0 ] || die "scripts/series.py quilt-env printed no quilt settings"
+  env "${settings[@]}" quilt --quiltrc - "$@"
+}
 
 need_quilt() {
   type -P quilt >/dev/null 2>&1 ||
@@ -56,12 +71,6 @@ find_python() {
   die "python$want not found (the wheels are built for Python 3.12 and 3.13). Install it (pyenv install $want, or Debian's python$want) or set $var=/path/to/python$want"
 }
 find_python312() { find_python 3.12; }
-
-# The patch series, in order: non-empty lines of patches/series without comments.
-series() { sed -e 's/[[:space:]]#.*//' -e 's/^#.*//' -e '/^[[:space:]]*$/d' "$PATCHES/series"; }
-
-# Does patch file $1 touch only upstream's tests/ (which only the git channel has)?
-tests_only() { ! grep -E '^\+\+\+ b/' "$1" | grep -qv '^+++ b/tests/'; }
 
 sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
 

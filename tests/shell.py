@@ -1,12 +1,14 @@
 """Run the project's scripts from tests, with environment overrides."""
 import hashlib
 import os
-import re
 import pathlib
 import stat
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import series as series_py  # noqa: E402  (scripts/series.py: the one series reader)
 
 
 def script(name, *args, env=None, check=False, cwd=None):
@@ -33,9 +35,8 @@ def tree_digest(root):
 
 
 def series():
-    lines = (ROOT / "patches" / "series").read_text().splitlines()
-    names = [l.split(" #")[0].strip() for l in lines]
-    return [n for n in names if n and not n.startswith("#")]
+    """patches/series in order, as scripts/series.py reads it."""
+    return series_py.series(ROOT / "patches")
 
 
 def pin():
@@ -55,6 +56,6 @@ def submodule_filled():
 
 
 def only_touches_tests(patch):
-    """Does the patch touch only upstream's tests/ (which only the git channel's tree has)?"""
-    paths = re.findall(r"^\+\+\+ b/(\S+)", pathlib.Path(patch).read_text(), re.M)
-    return all(p.startswith("tests/") for p in paths)
+    """Is the patch tests-only (upstream's tests/, which only the git channel's tree has)? The rule
+    is scripts/series.py's."""
+    return series_py.tests_only(patch)

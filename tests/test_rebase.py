@@ -1,4 +1,4 @@
-"""make rebase (scripts/rebase.sh) against synthetic megatron-core releases made from the pinned
+"""make rebase (scripts/rebase.py run) against synthetic megatron-core releases made from the pinned
 sdist (no upstream/ needed, so this runs in CI): one where patch 0010 has landed (dropped), one
 that changes the lines 0010 touches (conflict: nothing changes), one with an unrelated line above
 0010's hunks (offset: refreshed). Each rebase runs on a copy of scripts/, pin.env and patches/."""
@@ -13,12 +13,17 @@ import tarfile
 
 import pytest
 
+from shell import series_py
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 P10 = "0010-tilelang-sparse-mla-nope-512-and-unaligned-topk.patch"
 P20 = "0020-dsa-log-fused-sparse-attention-decline.patch"
 TILELANG = "megatron/core/transformer/experimental_attention_variant/ops/tilelang_dsa.py"
 DATE = "2030-01-02"
 VENV = pathlib.Path(sys.prefix) if (pathlib.Path(sys.prefix) / "bin" / "python").exists() else ROOT / ".venv"
+
+# make rebase's variables, once (GIT: once) read from the environment by rebase.sh
+OLD_ENV = ("DRY_RUN", "SHA256", "GIT_COMMIT", "REBASE_SDIST", "REBASE_DATE")
 
 pytestmark = pytest.mark.slow
 
@@ -66,15 +71,17 @@ def snapshot(repo):
     return {f.name: f.read_bytes() for f in files}
 
 
-def rebase(repo, version, sdist, dry_run=False):
-    env = dict(os.environ, VENV=str(VENV), CACHE=str(repo.parent / "cache"),
-               UPSTREAM=str(repo.parent / "no-upstream"), REBASE_SDIST=str(sdist),
-               REBASE_DATE=DATE, DRY_RUN="1" if dry_run else "0",
-               GIT_CEILING_DIRECTORIES=str(repo.parent))
-    for var in ("PIN_FILE", "PATCHES", "BUILD", "DIST"):
-        env.pop(var, None)
-    return subprocess.run(["bash", str(repo / "scripts" / "rebase.sh"), version], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=300)
+def rebase(repo, version, sdist, dry_run=False, options=(), env=None, upstream=None):
+    """scripts/rebase.py run VERSION --sdist SDIST --date DATE [--dry-run] [options] in repo."""
+    full_env = dict(os.environ, VENV=str(VENV), CACHE=str(repo.parent / "cache"),
+                    UPSTREAM=str(upstream or repo.parent / "no-upstream"),
+                    GIT_CEILING_DIRECTORIES=str(repo.parent))
+    for var in ("PIN_FILE", "PATCHES", "BUILD", "DIST", *OLD_ENV, "GIT"):
+        full_env.pop(var, None)
+    full_env.update(env or {})
+    cmd = [str(VENV / "bin" / "python"), str(repo / "scripts" / "rebase.py"), "run", version,
+           "--sdist", str(sdist), "--date", DATE, *(["--dry-run"] if dry_run else []), *options]
+    return subprocess.run(cmd, cwd=repo, env=full_env, capture_output=True, text=True, timeout=300)
 
 
 def row(stdout, patch):
@@ -194,3 +201,82 @@ def test_offset_is_refreshed_and_dry_run_changes_nothing(pinned_sdist, repo, tmp
     chk = subprocess.run(["bash", str(repo / "scripts" / "apply_patches.sh"), "--check", str(t)], env=env,
                          capture_output=True, text=True)
     assert chk.returncode == 0, chk.stdout + chk.stderr
+
+
+def synthetic_upstream(tmp_path, release_tree):
+    """A git repository with one commit holding a release's tree (what upstream/ would be)."""
+    up = tmp_path / "synthetic-upstream"
+    shutil.copytree(release_tree, up)
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t", GIT_AUTHOR_DATE="2030-01-01T00:00:00Z",
+               GIT_COMMITTER_DATE="2030-01-01T00:00:00Z", GIT_CEILING_DIRECTORIES=str(tmp_path))
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "release"]):
+        subprocess.run(["git", "-C", str(up), *cmd], check=True, env=env, capture_output=True)
+    head = subprocess.run(["git", "-C", str(up), "rev-parse", "HEAD"], check=True, env=env,
+                          capture_output=True, text=True).stdout.strip()
+    return up, head
+
+
+def test_git_in_the_environment_has_no_effect_and_git_commit_pairs_the_channels(pinned_sdist, repo,
+                                                                                 tmp_path):
+    version, sdist = make_release(pinned_sdist, tmp_path, 94, lambda tree: None)
+    up, commit = synthetic_upstream(tmp_path, tmp_path / "src-94" / f"megatron_core-{version}")
+    # the synthetic commit has no upstream tests/ for the tests-only patches to patch: none here
+    for name in series_py.series(repo / "patches"):
+        if series_py.tests_only(repo / "patches" / name):
+            series_py.drop(repo / "patches" / "series", name)
+            (repo / "patches" / name).unlink()
+    before = snapshot(repo)
+    # GIT (the old way to name the commit, and many a shell's path to git) is not read: the commit
+    # it names is not paired, and a path there is no error
+    for git in (commit, "/usr/bin/git"):
+        res = rebase(repo, version, sdist, dry_run=True, env={"GIT": git}, upstream=up)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"to:   megatron-core {version} (PyPI sdist only; no git commit known)" in res.stdout
+        assert "git channel: unknown (no tag core_v" in res.stdout, res.stdout
+    # --git-commit pairs the PyPI version with the commit (checked to give the same tree)
+    res = rebase(repo, version, sdist, dry_run=True, options=["--git-commit", commit],
+                 env={"GIT": "/usr/bin/git"}, upstream=up)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"to:   megatron-core {version} (git {commit})" in res.stdout, res.stdout
+    assert f"git channel: {commit} (given as --git-commit {commit})" in res.stdout
+    assert f"+MCORE_GIT_COMMIT={commit}" in res.stdout
+    first = res.stdout.splitlines()[0]  # the command: this script's options, make's variables
+    assert first.startswith(
+        f"# scripts/rebase.py run {version} --dry-run --git-commit {commit} --sdist ")
+    assert f"(make rebase TO={version} DRY_RUN=1 GIT_COMMIT={commit} REBASE_SDIST=" in first
+    assert snapshot(repo) == before
+    # a commit that is not there is an error, not a PyPI-only pin
+    res = rebase(repo, version, sdist, dry_run=True, options=["--git-commit", "f" * 40],
+                 upstream=up)
+    assert res.returncode == 1 and f"--git-commit {'f' * 40}: no such commit" in res.stderr
+    assert snapshot(repo) == before
+
+
+def test_the_old_environment_interface_is_refused_not_ignored(repo, tmp_path):
+    """DRY_RUN=1 in the environment without --dry-run would rewrite the pin: refused."""
+    before = snapshot(repo)
+    for var, value, option in (("DRY_RUN", "1", "--dry-run"), ("SHA256", "ab" * 32, "--sha256"),
+                               ("REBASE_SDIST", "x.tar.gz", "--sdist"),
+                               ("REBASE_DATE", DATE, "--date")):
+        cmd = [str(VENV / "bin" / "python"), str(repo / "scripts" / "rebase.py"), "run", "0.19.99"]
+        res = subprocess.run(cmd, cwd=repo, env=dict(os.environ, **{var: value}),
+                             capture_output=True, text=True)
+        assert res.returncode == 1 and f"{var}={value} is in the environment" in res.stderr
+        assert option in res.stderr
+    assert snapshot(repo) == before and not (repo / "build").exists()
+
+
+def test_make_rebase_passes_its_variables_as_options():
+    def recipe(*args, env=None):
+        full = {k: v for k, v in os.environ.items() if k not in (*OLD_ENV, "MAKEFLAGS")}
+        make = ["make", "-n", "--no-print-directory", "-C", str(ROOT), "rebase", *args]
+        out = subprocess.run(make, env=dict(full, **(env or {})), capture_output=True, text=True,
+                             check=True).stdout
+        return " ".join(out[out.index("scripts/rebase.py run"):].replace("\\\n", " ").split())
+    assert recipe("TO=0.19.2", "DRY_RUN=1", "GIT_COMMIT=abc", "SHA256=00") == (
+        'scripts/rebase.py run "0.19.2" --dry-run=1 --sha256 "00" --git-commit "abc"')
+    # GIT_COMMIT comes from the command line only (CI systems export their own); GIT is never read
+    assert recipe("TO=main", env={"GIT_COMMIT": "abc", "GIT": "/usr/bin/git"}) == (
+        'scripts/rebase.py run "main"')
+    assert recipe("TO=main", env={"DRY_RUN": "1"}) == 'scripts/rebase.py run "main" --dry-run=1'

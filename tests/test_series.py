@@ -6,10 +6,11 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
-from shell import ROOT, script, series, only_touches_tests, tree_digest
+from shell import ROOT, script, series, series_py, only_touches_tests, tree_digest
 
 PATCHES = ROOT / "patches"
 
@@ -170,3 +171,68 @@ def test_quilt_push_uses_fuzz_0(tmp_path, pristine):
     plain = subprocess.run(["quilt", "--quiltrc", "-", "push"], cwd=tree, capture_output=True,
                            text=True, env=dict(env, QUILT_PATCHES=str(patches)))
     assert plain.returncode == 0 and "fuzz" in plain.stdout, plain.stdout + plain.stderr
+
+
+def _lib_sh(cmd, patches):
+    return subprocess.run(["bash", "-c", f'. "{ROOT}/scripts/lib.sh"; {cmd}'], capture_output=True,
+                          text=True, env=dict(os.environ, PATCHES=str(patches)))
+
+
+def test_one_reader_of_the_series(tmp_path):
+    """Comments (own line, after a tab or spaces, indented), blank lines: scripts/series.py's list,
+    lib.sh's series and tests/shell.py's agree."""
+    copy = tmp_path / "patches"
+    shutil.copytree(PATCHES, copy)
+    names = series()
+    (copy / "series").write_text("\n".join(
+        ["# a comment", "", "   ", f"{names[0]}\t# after a tab", f"  {names[1]}   # after spaces",
+         *names[2:], "  # an indented comment", ""]))
+    cli = subprocess.run([sys.executable, str(ROOT / "scripts" / "series.py"), "--patches",
+                          str(copy), "list"], capture_output=True, text=True, check=True)
+    cli = cli.stdout.splitlines()
+    sh = _lib_sh("series", copy)
+    assert sh.returncode == 0, sh.stderr
+    assert series_py.series(copy) == cli == sh.stdout.splitlines() == names
+    (copy / "series").write_text(f"{names[0]} -p0\n")  # per-patch options: refused, not misread
+    assert _lib_sh("series", copy).returncode != 0
+
+
+def test_header_only_patch_gets_one_answer_everywhere(pristine, tmp_path):
+    """A patch with a header and no diff touches nothing: it is not tests-only for series.py, its
+    command line, lib.sh (apply_patches.sh, build_wheel.sh, refresh_patches.sh), tests/shell.py and
+    scripts/rebase.py; so the build does not skip it, and fails on it."""
+    import rebase  # scripts/rebase.py (on sys.path through shell.py)
+
+    copy = tmp_path / "patches"
+    shutil.copytree(PATCHES, copy)
+    name = "0200-header-only.patch"
+    hdr = copy / name
+    hdr.write_text("Description: a header and no diff\n a body\nOrigin: other\n"
+                   "Last-Update: 2030-01-01\n")
+    with open(copy / "series", "a") as f:
+        f.write(f"{name}\n")
+    answers = {
+        "series.tests_only": series_py.tests_only(hdr),
+        "series.py tests-only": subprocess.run([sys.executable, str(ROOT / "scripts" / "series.py"),
+                                                "tests-only", str(hdr)]).returncode == 0,
+        "lib.sh tests_only": _lib_sh(f'tests_only "{hdr}"', copy).returncode == 0,
+        "shell.only_touches_tests": only_touches_tests(hdr),
+        "rebase.py": rebase.S.tests_only(hdr),
+    }
+    assert set(answers.values()) == {False}, answers
+    assert rebase.S is series_py
+    proc = script("apply_patches.sh", "--check", pristine, env={"PATCHES": str(copy)})
+    assert proc.returncode != 0 and f"patches/{name} does not apply" in proc.stderr
+    # and it is not where the tests-only patches are listed
+    assert any(name in p and "not tests-only" in p for p in series_py.problems(copy))
+
+
+def test_the_tests_section_lists_exactly_the_tests_only_patches(tmp_path):
+    assert series_py.problems(PATCHES) == []
+    tests_only = [n for n in series() if only_touches_tests(PATCHES / n)]
+    assert tests_only, "no tests-only patch in the series (0110 is one)"
+    copy = tmp_path / "patches"
+    shutil.copytree(PATCHES, copy)
+    text = (copy / "series").read_text()
+    (copy / "series").write_text(tests_only[0] + "\n" + text.replace(tests_only[0] + "\n", ""))
+    assert [p for p in series_py.problems(copy) if tests_only[0] in p and "above" in p]
