@@ -53,12 +53,43 @@ def probe_variants(heads):
     return v
 
 
+def chunk_variants(heads):
+    """wip/0120 (issue #17): the dKV block computed and added dkv_chunk columns at a time, from a
+    shared stage by vector atomics (cNN), from registers (cNNd), or by one TMA bulk reduce-add a
+    row from 1 or 2 stage buffers (cNNt1, cNNt2)."""
+    bh = min(64, max(16, heads))
+    base = dict(tail=0, topk=2080, dynamic=True, threads=128 if bh == 16 else 256, skip=True,
+                split=8 if bh in (16, 64) else 2, block_h=bh)
+    v = {"native": base}
+    if heads == 16:
+        v["native_c64"] = dict(base, dkv_chunk=64)
+        v["native_c64t1"] = dict(base, dkv_chunk=64, dkv_tma=1)
+        v["native_c32t2"] = dict(base, dkv_chunk=32, dkv_tma=2)
+        v["native_c128t1"] = dict(base, dkv_chunk=128, dkv_tma=1)
+    else:
+        v["native_c128d"] = dict(base, dkv_chunk=128, dkv_direct=True)
+        v["native_c64t2"] = dict(base, dkv_chunk=64, dkv_tma=2)
+        v["native_c32t2"] = dict(base, dkv_chunk=32, dkv_tma=2)
+        if heads == 32:
+            v["native_c128t2"] = dict(base, dkv_chunk=128, dkv_tma=2)
+    return v
+
+
 VARIANT_SETS = {}
 
 
 def variants(heads):
     if VARIANT_SETS.get("set") == "probes":
-        return probe_variants(heads)
+        v = probe_variants(heads)
+    elif VARIANT_SETS.get("set") == "chunks":
+        v = chunk_variants(heads)
+    else:
+        v = schedule_variants(heads)
+    only = VARIANT_SETS.get("only")
+    return {n: c for n, c in v.items() if not only or n in only}
+
+
+def schedule_variants(heads):
     thr = 256 if heads >= 32 else 128
     v = {
         "stock576": dict(tail=64, topk=2112, dynamic=False, threads=128, skip=False, split=2),
@@ -78,6 +109,9 @@ def build(heads, cfg):
     )
 
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
+    extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_tma") if k in cfg})  # wip/0120
+    if "bs" in cfg:
+        extra["block_size"] = cfg["bs"]
     return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE,
                        max_block_h=cfg.get("block_h", 32), threads=cfg["threads"],
                        topk_dynamic=cfg["dynamic"], skip_invalid_gather=cfg["skip"],
@@ -101,9 +135,11 @@ def main():
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--heads", type=int, nargs="*", default=[16, 32])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--set", choices=["schedule", "probes"], default="schedule")
+    ap.add_argument("--set", choices=["schedule", "probes", "chunks"], default="schedule")
+    ap.add_argument("--only", nargs="*", help="run only these variants (and time them once)")
     args = ap.parse_args()
     VARIANT_SETS["set"] = args.set
+    VARIANT_SETS["only"] = args.only
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, unfinished = compile_in_processes(
@@ -119,7 +155,7 @@ def main():
     )
 
     dev = "cuda"
-    ref_name = "native" if args.set == "probes" else "native_0050"
+    ref_name = "native_0050" if args.set == "schedule" else "native"
     s = args.seqlen
     g = torch.Generator(device=dev).manual_seed(0)
     idx = kpool_indices(s, g, device=dev).view(1, s, 1, TOPK).contiguous()
