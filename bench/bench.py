@@ -17,6 +17,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 the backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads
   native_bh32   512/2051  the same with NativeKernelOptions(bwd_max_block_h=32) (without 0100: two
                 32-head backward blocks at 64 heads), 32k/64 heads
+  native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
+                the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   padded_fwd / native_fwd   the same, forward only
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
@@ -371,6 +373,9 @@ def run(args):
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
                 add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
                                                        options=dict(bwd_max_block_h=32)))
+            if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
+                add("native_dkv_whole", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
+                                                            idx, options=dict(bwd_dkv_chunks=False)))
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)

@@ -18,8 +18,13 @@ py=${PYTHON:-python3}
 site=${INSTALL_SITE:-/tmp/mcore-site}
 mkdir -p "$out" "$site"
 # TEST_WHEEL: another wheel (e.g. an unpatched build, to compare upstream's tests against)
-whl=${TEST_WHEEL:-$(ls dist/megatron_core-*-$("$py" -c "import sys; print(f\"cp{sys.version_info[0]}{sys.version_info[1]}\")")-*.whl 2>/dev/null | head -n 1)}
-[ -n "$whl" ] || { echo "error: no wheel in dist/: run make wheel first" >&2; exit 1; }
+if [ -z "${TEST_WHEEL:-}" ]; then
+  # exactly one wheel for this Python: an older build left beside the new one is not a choice
+  wheels=$(ls dist/megatron_core-*-$("$py" -c "import sys; print(f\"cp{sys.version_info[0]}{sys.version_info[1]}\")")-*.whl 2>/dev/null)
+  [ -n "$wheels" ] || { echo "error: no wheel in dist/: run make wheel first" >&2; exit 1; }
+  [ "$(echo "$wheels" | wc -l)" = 1 ] || { echo "error: more than one wheel in dist/ for this Python: $(echo $wheels)" >&2; exit 1; }
+fi
+whl=${TEST_WHEEL:-$wheels}
 if ! "$py" -c "import tilelang" 2>/dev/null && [ -f .site/tilelang-site.tar.xz ]; then
   tar -xJf .site/tilelang-site.tar.xz -C "$site"
 fi

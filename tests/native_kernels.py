@@ -24,6 +24,7 @@ from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils
 SM90_TARGET = '{"kind": "cuda", "arch": "sm_90"}'
 SM90A_TARGET = '{"kind": "cuda", "arch": "sm_90a"}'  # setmaxnreg (warp specialization) needs sm_90a
 SM90_MAX_DYN_SMEM = 232448  # 227 KiB, the opt-in per-block maximum on Hopper
+SM90_SMEM_PER_SM = 233472  # 228 KiB an SM, of which each resident block also takes 1 KiB
 D_V = 512
 TAIL = 64
 BLOCK_I = 64  # forward index block
@@ -66,6 +67,9 @@ FEATURES = {
     "0100": ("NativeKernelOptions.bwd_max_block_h",
              lambda: hasattr(tilelang_utils, "NativeKernelOptions")
              and "bwd_max_block_h" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
+    "0105": ("NativeKernelOptions.bwd_dkv_chunks",
+             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
+             and "bwd_dkv_chunks" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
 }
 
 

@@ -75,3 +75,27 @@ def test_upstream_without_carried_tests_fails(tmp_path):
         pytest.skip(".upt/ is carried here; this case needs a tree without it")
     proc = run(tmp_path, "upstream")
     assert proc.returncode != 0 and "no .upt/" in proc.stderr
+
+
+@pytest.mark.parametrize("wheels", [0, 1, 2])
+def test_dist_must_hold_exactly_one_wheel_for_the_python(tmp_path, wheels):
+    """Without TEST_WHEEL the script installs dist/'s wheel for its Python: none is an error, and so
+    are two (an older build left beside the new one would be measured in its place)."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "gpu_run.sh", root / "scripts" / "gpu_run.sh")
+    (root / "dist").mkdir()
+    for label in ("glm53nope.1", "glm53nope.2")[:wheels]:
+        (root / "dist" / f"megatron_core-0.19.0+{label}-cp312-cp312-linux_x86_64.whl").write_text("")
+    (root / "dist" / "megatron_core-0.19.0+glm53nope.3-cp313-cp313-linux_x86_64.whl").write_text("")
+    (tmp_path / "python").write_text(FAKE_PY)
+    (tmp_path / "python").chmod(0o755)
+    env = dict(os.environ, PYTHON=str(tmp_path / "python"), INSTALL_SITE=str(tmp_path / "site"))
+    env.pop("TEST_WHEEL", None)
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_run.sh"), "tests", str(tmp_path / "out")],
+                          env=env, cwd=root, capture_output=True, text=True)
+    if wheels == 1:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0
+        assert ("no wheel" if wheels == 0 else "more than one wheel") in proc.stderr

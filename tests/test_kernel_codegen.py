@@ -26,6 +26,7 @@ from native_kernels import (
     FWD_STAGES,
     SM90A_TARGET,
     SM90_MAX_DYN_SMEM,
+    SM90_SMEM_PER_SM,
     SM90_TARGET,
     TAIL,
     bwd_mod,
@@ -308,3 +309,31 @@ def test_native_bwd_64_head_block_fits(sm90):
     assert _only_smem(two_smem) < _only_smem(one_smem) == 212992 <= SM90_MAX_DYN_SMEM
     assert "__launch_bounds__(256" in one and "576" not in one
     assert one.count("< ((uint)seq_len_kv)") >= 3 and one.count("AtomicAddx4(") > 0
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0105")
+def test_native_bwd_dkv_chunks_shrink_the_accumulator(sm90):
+    """0105: the native backward's dKV accumulator is a column chunk: at a 16-head block (128
+    threads) 32 x 64 staged in shared memory for 4-float atomics, in no more shared memory than the
+    whole block's 8 slices (two CTAs still fit an SM); at a 64-head block (256 threads) 32 x 128
+    added from registers with 2-float atomics and no stage. Both keep 0080's index test."""
+    btopk = _round_up(2051, BWD_BLOCK)
+    common = dict(skip_invalid_gather=True, split_store=8)
+    whole16, whole16_smem, _ = _bwd(sm90, 16, 0, btopk, True, max_block_h=16, threads=128, **common)
+    c16, c16_smem, _ = _bwd(sm90, 16, 0, btopk, True, max_block_h=16, threads=128, dkv_chunk=64,
+                            **common)
+    whole64, whole64_smem, _ = _bwd(sm90, 64, 0, btopk, True, max_block_h=64, threads=256, **common)
+    c64, c64_smem, _ = _bwd(sm90, 64, 0, btopk, True, max_block_h=64, threads=256, dkv_chunk=128,
+                            dkv_direct=True, **common)
+    # per thread: 32 x 512 / 128 = 128 floats whole, 32 x 64 / 128 and 32 x 128 / 256 = 16 chunked
+    assert "float acc_dkv[128];" in whole16 and "float acc_dkv[16];" in c16
+    assert "float acc_dkv[64];" in whole64 and "float acc_dkv[16];" in c64
+    assert 2 * (_only_smem(c16_smem) + 1024) <= SM90_SMEM_PER_SM
+    assert _only_smem(c16_smem) <= _only_smem(whole16_smem)
+    assert _only_smem(c64_smem) < _only_smem(whole64_smem) <= SM90_MAX_DYN_SMEM
+    assert c16.count("AtomicAddx4(") > 0 and "AtomicAddx2(" not in c16
+    assert c64.count("AtomicAddx2(") > 0 and "AtomicAddx4(" not in c64
+    for src in (c16, c64):
+        assert src.count("< ((uint)seq_len_kv)") >= 3 and "576" not in src

@@ -328,6 +328,42 @@ def test_native_backward_head_block(fakes, monkeypatch, heads, block_h, max_bloc
 
 
 @needs_tilelang
+@needs("0105")
+@pytest.mark.parametrize("heads,block_h", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 64)])
+@pytest.mark.parametrize("chunks", [True, False])
+@pytest.mark.parametrize("max_block_h", [None, 32])
+def test_native_backward_dkv_chunks(fakes, monkeypatch, heads, block_h, chunks, max_block_h):
+    """0105: the native backward computes and adds dKV in column chunks: 64 columns staged at a
+    16-head block, 128 from registers at a 64-head block, whole at a 32-head block (also when
+    bwd_max_block_h=32 makes 64 heads two 32-head blocks); NativeKernelOptions(
+    bwd_dkv_chunks=False) gives the whole-block kernels at every head count."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    query, key, idx = _inputs(512, 131, heads, 256, 512)
+    changes = dict(bwd_dkv_chunks=chunks)
+    if max_block_h is not None:
+        changes["bwd_max_block_h"] = max_block_h
+    with options(**changes):
+        _run_hook(fakes, query, key, idx, 0.05)
+    bwd = [b for b in fakes.builds if b["kind"] == "bwd"]
+    assert len(bwd) == 1
+    block = block_h if max_block_h is None else min(block_h, max_block_h)
+    want = {16: (64, False), 64: (128, True)}.get(block, (0, False)) if chunks else (0, False)
+    assert (bwd[0]["dkv_chunk"], bwd[0]["dkv_direct"]) == want
+    # the staged slices are what the whole-block kernel uses; the chunked one ignores them
+    assert bwd[0]["split_store"] == (8 if block in (16, 64) else 2)
+
+
+@needs_tilelang
+@needs("0105")
+def test_576_backward_never_chunks_dkv(fakes):
+    """0105: the 576 (#7617) route's backward is built as before: no dKV chunks."""
+    query, key, idx = _inputs(576, 131, 16, 256, 512)
+    _run_hook(fakes, query, key, idx, 0.05)
+    bwd = [b for b in fakes.builds if b["kind"] == "bwd"]
+    assert bwd and all(b["dkv_chunk"] == 0 and not b["dkv_direct"] for b in bwd)
+
+
+@needs_tilelang
 @needs("0070")
 @pytest.mark.parametrize("heads,kernel_heads", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 128)])
 @pytest.mark.parametrize("ws", [True, False])

@@ -98,6 +98,27 @@ def test_native_backward_head_blocks_match_fp32_reference(monkeypatch, heads, ma
     assert torch.count_nonzero(got[1][empty[0]]) == 0
 
 
+# 0105: the dKV chunk configurations (64 columns staged at a 16-head block, 128 from registers
+# at a 64-head block) and the whole-block kernels they replace (NativeKernelOptions(
+# bwd_dkv_chunks=False)), each against the FP32 reference.
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [8, 16, 64, 128])
+@pytest.mark.parametrize("chunks", [True, False])
+def test_native_backward_dkv_chunks_match_fp32_reference(monkeypatch, heads, chunks, topk):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    sq, empty = 200, (7,)
+    q, k, do, idx = make(sq, heads, 512, topk, seed=3 * heads + topk + chunks, empty_rows=empty)
+    with override_native_kernel_options(bwd_dkv_chunks=chunks):
+        got = run_fused(q, k, idx, do)
+    ref = run_reference(q, k, idx, do)
+    for name, a, b in zip(("out", "dq", "dk"), got, ref):
+        assert torch.isfinite(a.float()).all(), f"{name} has non-finite values"
+        err = rel_l2(a, b)
+        assert err < TOL, f"{name}: relative L2 error {err:.2e}"
+    assert torch.count_nonzero(got[1][empty[0]]) == 0
+
+
 @pytest.fixture
 def strict(monkeypatch):
     monkeypatch.setenv("MCORE_DSA_REQUIRE_FUSED", "1")  # a decline raises
