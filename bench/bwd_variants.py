@@ -21,6 +21,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   native_bh64     at 64 heads: one 64-head block (256 threads, dKV in 8 slices), so each
                   (query, key) is added once
   native_bh64_no_atomic
+--set chunks (0105): native (the whole dKV block, staged in row slices) and native_c64/c128 (dKV
+  in 64/128-column chunks, staged) and native_c64d/c128d (added from registers)
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
@@ -54,24 +56,17 @@ def probe_variants(heads):
 
 
 def chunk_variants(heads):
-    """wip/0120 (issue #17): the dKV block computed and added dkv_chunk columns at a time, from a
-    shared stage by vector atomics (cNN), from registers (cNNd), or by one TMA bulk reduce-add a
-    row from 1 or 2 stage buffers (cNNt1, cNNt2)."""
+    """0105 (issue #17): the dKV block computed and added dkv_chunk columns at a time, staged in
+    shared memory for 4-float atomics (cNN) or added from registers (cNNd), against the whole
+    block staged in row slices (`native`, the kernel before 0105). Run 12 measured these and TMA
+    bulk reduce-add variants (wip/0120 at commit 8460cdb)."""
     bh = min(64, max(16, heads))
     base = dict(tail=0, topk=2080, dynamic=True, threads=128 if bh == 16 else 256, skip=True,
                 split=8 if bh in (16, 64) else 2, block_h=bh)
     v = {"native": base}
-    if heads == 16:
-        v["native_c64"] = dict(base, dkv_chunk=64)
-        v["native_c64t1"] = dict(base, dkv_chunk=64, dkv_tma=1)
-        v["native_c32t2"] = dict(base, dkv_chunk=32, dkv_tma=2)
-        v["native_c128t1"] = dict(base, dkv_chunk=128, dkv_tma=1)
-    else:
-        v["native_c128d"] = dict(base, dkv_chunk=128, dkv_direct=True)
-        v["native_c64t2"] = dict(base, dkv_chunk=64, dkv_tma=2)
-        v["native_c32t2"] = dict(base, dkv_chunk=32, dkv_tma=2)
-        if heads == 32:
-            v["native_c128t2"] = dict(base, dkv_chunk=128, dkv_tma=2)
+    for c in (64, 128):
+        v[f"native_c{c}"] = dict(base, dkv_chunk=c)
+        v[f"native_c{c}d"] = dict(base, dkv_chunk=c, dkv_direct=True)
     return v
 
 
@@ -109,9 +104,7 @@ def build(heads, cfg):
     )
 
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
-    extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_tma") if k in cfg})  # wip/0120
-    if "bs" in cfg:
-        extra["block_size"] = cfg["bs"]
+    extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct") if k in cfg})  # 0105
     return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE,
                        max_block_h=cfg.get("block_h", 32), threads=cfg["threads"],
                        topk_dynamic=cfg["dynamic"], skip_invalid_gather=cfg["skip"],
