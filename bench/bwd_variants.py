@@ -22,7 +22,9 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
                   (query, key) is added once
   native_bh64_no_atomic
 --set chunks (0105): native (the whole dKV block, staged in row slices) and native_c64/c128 (dKV
-  in 64/128-column chunks, staged) and native_c64d/c128d (added from registers)
+  in 64/128-column chunks, staged) and native_c64d/c128d (added from registers); with
+  WIP_PATCHES=wip/0106-bwd-dkv-v4-lines.patch also native_c64l (16 heads) / native_c128l (4-float
+  adds from registers into a line-ordered accumulator)
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
@@ -67,6 +69,17 @@ def chunk_variants(heads):
     for c in (64, 128):
         v[f"native_c{c}"] = dict(base, dkv_chunk=c)
         v[f"native_c{c}d"] = dict(base, dkv_chunk=c, dkv_direct=True)
+    # wip/0106, where applied: 4-float adds from registers into a line-ordered accumulator (16
+    # columns a warp)
+    import inspect
+
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_bwd as bwd_mod,
+    )
+
+    if "dkv_lines" in inspect.signature(getattr(bwd_mod.bwd, "func", bwd_mod.bwd)).parameters:
+        lines = 16 * base["threads"] // 32
+        v[f"native_c{lines}l"] = dict(base, dkv_chunk=lines, dkv_lines=True)
     return v
 
 
@@ -104,7 +117,7 @@ def build(heads, cfg):
     )
 
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
-    extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct") if k in cfg})  # 0105
+    extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_lines") if k in cfg})
     return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE,
                        max_block_h=cfg.get("block_h", 32), threads=cfg["threads"],
                        topk_dynamic=cfg["dynamic"], skip_invalid_gather=cfg["skip"],
@@ -199,6 +212,8 @@ def main():
             dq = call()
             torch.cuda.synchronize()
             got = (dq[..., :512].clone(), dkv[..., :512].clone())
+            if cfg.get("dkv_lines"):  # wip/0106: the accumulator's columns in line order
+                got = (got[0], got[1][..., [bwd_mod._line_column(d) for d in range(512)]])
             times = timed(call, args.reps)
             row["bwd_ms"] = statistics.median(times)
             row["bwd_ms_min"] = min(times)
