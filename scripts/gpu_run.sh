@@ -31,8 +31,13 @@ fi
 extra=$(ls .whl/*.whl 2>/dev/null || true)
 "$py" -m pip install --quiet --no-deps --no-index --disable-pip-version-check --target "$site" "$whl" $extra || exit 1
 # WIP_PATCHES: patches from wip/ applied to the installed tree (kernel drafts not in the series)
+# with the series' own patch options (scripts/series.py: fuzz 0, no backup or reject files)
+if [ -n "${WIP_PATCHES:-}" ]; then
+  mapfile -t pargs < <(python3 scripts/series.py patch-args)
+  [ ${#pargs[@]} -gt 0 ] || { echo "error: scripts/series.py patch-args printed nothing" >&2; exit 1; }
+fi
 for p in ${WIP_PATCHES:-}; do
-  patch -d "$site" -p1 --fuzz=0 --no-backup-if-mismatch <"$p" || { echo "error: $p does not apply" >&2; exit 1; }
+  patch -d "$site" "${pargs[@]}" -N -i "$PWD/$p" >/dev/null || { echo "error: $p does not apply (fuzz 0)" >&2; exit 1; }
 done
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FROM_INSTALLED=1 PYTHONUNBUFFERED=1
 {

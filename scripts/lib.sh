@@ -35,12 +35,15 @@ patch_args() { series_py patch-args; }
 # quilt with series.py's stable settings (fuzz 0, no timestamps, no index lines, ...), always run
 # with --quiltrc - so ~/.quiltrc cannot change them. QUILT_PATCHES and QUILT_SERIES are the caller's.
 export QUILT_PATCHES=$PATCHES
+# The settings are read once a shell (a refresh runs quilt twice a patch).
 quilt() {
-  local settings
-  mapfile -t settings < <(series_py quilt-env)
-  [ ${#settings[@]} -gt 0 ] || die "scripts/series.py quilt-env printed no quilt settings"
-  env "${settings[@]}" quilt --quiltrc - "$@"
+  if [ ${#_quilt_settings[@]} -eq 0 ]; then
+    mapfile -t _quilt_settings < <(series_py quilt-env)
+    [ ${#_quilt_settings[@]} -gt 0 ] || die "scripts/series.py quilt-env printed no quilt settings"
+  fi
+  env "${_quilt_settings[@]}" quilt --quiltrc - "$@"
 }
+_quilt_settings=()
 
 need_quilt() {
   type -P quilt >/dev/null 2>&1 ||

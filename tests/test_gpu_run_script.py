@@ -99,3 +99,43 @@ def test_dist_must_hold_exactly_one_wheel_for_the_python(tmp_path, wheels):
     else:
         assert proc.returncode != 0
         assert ("no wheel" if wheels == 0 else "more than one wheel") in proc.stderr
+
+
+WIP = """--- a/m.py
++++ b/m.py
+@@ -1,5 +1,5 @@
+ a = 1
+ b = 2
+-c = 3
++c = 4
+ d = 5
+ e = 6
+"""
+
+
+@pytest.mark.parametrize("site_text,ok", [
+    ("a = 1\nb = 2\nc = 3\nd = 5\ne = 6\n", True),
+    ("a = 0\nb = 2\nc = 3\nd = 5\ne = 6\n", False),  # applies only with fuzz 1
+])
+def test_wip_patches_apply_with_the_series_options(tmp_path, site_text, ok):
+    """WIP_PATCHES go onto the installed tree with scripts/series.py's patch options: fuzz 0, so
+    a draft whose context no longer matches stops the run instead of landing approximately."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "m.py").write_text(site_text)
+    wip = tmp_path / "d.patch"
+    wip.write_text(WIP)
+    for name, text in (("python", FAKE_PY),):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    (tmp_path / "fake.whl").write_text("")
+    env = dict(os.environ, PYTHON=str(tmp_path / "python"), INSTALL_SITE=str(tmp_path / "site"),
+               TEST_WHEEL=str(tmp_path / "fake.whl"), WIP_PATCHES=os.path.relpath(wip, ROOT))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "tests", str(tmp_path / "out")],
+                          env=env, cwd=ROOT, capture_output=True, text=True)
+    text = (tmp_path / "site" / "m.py").read_text()
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "c = 4" in text
+    else:
+        assert proc.returncode != 0 and "does not apply" in proc.stderr
+        assert text == site_text and not list((tmp_path / "site").glob("*.orig"))
