@@ -17,6 +17,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 the backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads
   native_bh32   512/2051  the same with NativeKernelOptions(bwd_max_block_h=32) (without 0100: two
                 32-head backward blocks at 64 heads), 32k/64 heads
+  native_deterministic 512/2051  with wip/0107 applied: NativeKernelOptions(bwd_deterministic=True);
+                bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   padded_fwd / native_fwd   the same, forward only
@@ -155,6 +157,16 @@ def native_options(**changes):
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
 
     return tilelang_utils.override_native_kernel_options(**changes)
+
+
+def has_native_option(name):
+    """Does the installed wheel's NativeKernelOptions have this field (a draft's rows)?"""
+    try:
+        from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
+    except ImportError:
+        return False
+    fields = getattr(getattr(tilelang_utils, "NativeKernelOptions", None), "__dataclass_fields__", {})
+    return name in fields
 
 
 def dense_fn(q, k, idx, scale):
@@ -304,11 +316,13 @@ def run(args):
         do = torch.randn(L, 1, heads, 512, generator=g, device=DEV).to(torch.bfloat16)
         scale = 512 ** -0.5
 
-        def fwd_bwd(fn, q0, k0, ix, fwd_only=False, ref=None, options=None):
+        def fwd_bwd(fn, q0, k0, ix, fwd_only=False, ref=None, options=None, repeat=False):
             """make() for measure(); with ref = (out, dq, dk) of the native route, the row gets
             the relative L2 of its results against it, from one more call after the timed ones
             (so holding them does not change the measured peak). options: NativeKernelOptions
-            fields for the whole fwd+bwd (the A/B rows)."""
+            fields for the whole fwd+bwd (the A/B rows). repeat: three more calls, and the row
+            says whether their dq and dk are bitwise equal (bitwise_repeat) and gives a hash of
+            dq and dk to compare across processes (grads_sha256)."""
             def make():
                 q = q0.detach().clone().requires_grad_(not fwd_only)
                 k = k0.detach().clone().requires_grad_(not fwd_only)
@@ -326,12 +340,27 @@ def run(args):
                         keep.update(out=out.detach(), dq=q.grad, dk=k.grad)
 
                 def check():
+                    res = {}
+                    if repeat:
+                        runs = []
+                        for _ in range(3):
+                            got = {}
+                            call(got)
+                            torch.cuda.synchronize()
+                            runs.append((got["dq"].clone(), got["dk"].clone()))
+                        res["bitwise_repeat"] = all(
+                            torch.equal(a[0], runs[0][0]) and torch.equal(a[1], runs[0][1])
+                            for a in runs[1:])
+                        res["grads_sha256"] = hashlib.sha256(
+                            runs[0][0].view(torch.int16).cpu().numpy().tobytes()
+                            + runs[0][1].view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:16]
+                        del runs
                     if ref is None:
-                        return None
+                        return res or None
                     got = {}
                     call(got)
                     torch.cuda.synchronize()
-                    res = {"rel_l2_out_vs_native": rel_l2(got["out"], ref[0])}
+                    res["rel_l2_out_vs_native"] = rel_l2(got["out"], ref[0])
                     if not fwd_only:
                         res.update(rel_l2_dq_vs_native=rel_l2(got["dq"], ref[1]),
                                    rel_l2_dk_vs_native=rel_l2(got["dk"], ref[2]))
@@ -373,6 +402,10 @@ def run(args):
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
                 add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
                                                        options=dict(bwd_max_block_h=32)))
+            if has_native_option("bwd_deterministic"):  # wip/0107 (issue #21)
+                add("native_deterministic", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
+                    repeat=True))
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
                                                             idx, options=dict(bwd_dkv_chunks=False)))
