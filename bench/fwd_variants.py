@@ -10,7 +10,8 @@ Variants: pipelined (0030/0050's kernel as shipped), pipe_s3 / pipe_bi32_s4 / pi
 same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
 with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
-query instead of persistent), flashmla. Writes
+query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
+flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -41,6 +42,10 @@ VARIANTS = {
     # the same kernels with a CTA per query instead of persistent
     "ws_np": (True, {}),
     "ws3_np": (True, {}),
+    # wip/0080 (NativeKernelOptions.fwd_ws_mma="wgmma"): both GEMMs on wgmma, transposed
+    "ws_w": (True, {}),
+    "ws3_w": (True, {}),
+    "ws3_w_np": (True, {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
 
@@ -57,6 +62,12 @@ def call(fwd_mod, name, q, kv, idx):
         opts.update(fwd_ws_buffers=3 if name in THREE_BUFFERS else 2,
                     fwd_ws_chains=2 if name.endswith("_c2") else 4,
                     fwd_ws_persistent=not name.endswith("_np"))
+        if "w" in name.split("_"):
+            from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
+
+            if "fwd_ws_mma" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
+                raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
+            opts["fwd_ws_mma"] = "wgmma"
     with override_native_kernel_options(**opts):
         return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
