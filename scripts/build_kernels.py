@@ -234,6 +234,74 @@ def _deterministic_nvcc(base):
         nvcc.compile_cuda, nvcc.subprocess = orig_compile, orig_subprocess
 
 
+def forget_kernels(mod, out_idx=None):
+    """Drop every compiled kernel a process holds in memory for module mod's kernels (megatron's
+    LRU dicts, the JIT functions' own caches, TileLang's KernelCache), so the next getter call
+    goes to TileLang's disk cache as a fresh process would. out_idx: {JIT function name: out_idx}
+    to put back (TileLang 0.1.15 rewrites a JIT function's out_idx in place at its first disk-cache
+    load, see _alias_key)."""
+    from collections import OrderedDict
+
+    from tilelang.cache import _dispatch_map
+    from tilelang.jit import JITImpl
+
+    for cache in _dispatch_map.values():
+        cache._memory_cache.clear()
+    for name, value in vars(mod).items():
+        if isinstance(value, JITImpl):
+            value._kernel_cache.clear()
+            value._call_form_cache.clear()
+            if out_idx is not None and name in out_idx:
+                value.out_idx = list(out_idx[name]) if isinstance(out_idx[name], list) else out_idx[name]
+        elif isinstance(value, OrderedDict) and name.endswith("_kernel_cache"):
+            value.clear()
+
+
+def jit_out_idx(mod):
+    """{name: out_idx} of module mod's JIT functions, as their decorators set them."""
+    from tilelang.jit import JITImpl
+
+    return {n: (list(v.out_idx) if isinstance(v.out_idx, list) else v.out_idx)
+            for n, v in vars(mod).items() if isinstance(v, JITImpl)}
+
+
+class _Key(Exception):
+    pass
+
+
+def lookup_key(mod, call):
+    """The disk-cache key TileLang computes for call in this process's state, without loading or
+    compiling anything."""
+    from tilelang.cache.kernel_cache import KernelCache
+
+    def stop(self, key, *a, **k):
+        raise _Key(key)
+
+    orig = KernelCache._load_kernel_from_disk
+    KernelCache._load_kernel_from_disk = stop
+    try:
+        getattr(mod, call["getter"])(*call["args"], **call["kwargs"])
+    except _Key as k:
+        return k.args[0]
+    finally:
+        KernelCache._load_kernel_from_disk = orig
+    raise RuntimeError(f"{_describe(call)} did not look up TileLang's disk cache")
+
+
+def _alias_key(mod, call, key):
+    """The key the same kernel gets after another kernel of its JIT function was loaded from the
+    disk cache in the same process. TileLang 0.1.15 loads an entry with the JIT function's own
+    out_idx list, and TVMFFIKernelAdapter.from_database legalizes that list in place (negative
+    indices become positive: jit/adapter/tvm_ffi.py from_database, jit/adapter/base.py
+    _legalize_result_idx), so every later key of that function hashes the positive out_idx. The
+    archive keeps the entry under both keys (the second a symbolic link)."""
+    forget_kernels(mod)
+    kernel = getattr(mod, call["getter"])(*call["args"], **call["kwargs"])  # a disk load
+    assert kernel._tilelang_cache_key == key, (kernel._tilelang_cache_key, key)
+    forget_kernels(mod)
+    return lookup_key(mod, call)
+
+
 def _build_one(job):
     """In a fresh process: make one getter call for real into its own cache folder."""
     call, cache, tree, nvcc_base = job
@@ -250,7 +318,9 @@ def _build_one(job):
     t0 = time.perf_counter()
     with _deterministic_nvcc(nvcc_base):
         kernel = getattr(mod, call["getter"])(*call["args"], **call["kwargs"])
-    return dict(key=kernel._tilelang_cache_key, seconds=round(time.perf_counter() - t0, 1))
+    seconds = round(time.perf_counter() - t0, 1)
+    key = kernel._tilelang_cache_key
+    return dict(key=key, alias_key=_alias_key(mod, call, key), seconds=seconds)
 
 
 def namespace():
@@ -284,6 +354,9 @@ def build(calls, cache, tree, jobs):
             dest = cache / ns / "kernels" / r["key"]
             if not dest.exists():
                 shutil.copytree(src, dest)
+            alias = cache / ns / "kernels" / r["alias_key"]
+            if r["alias_key"] != r["key"] and not alias.is_symlink():
+                alias.symlink_to(r["key"], target_is_directory=True)
         (cache / ns / ".staging").mkdir(parents=True, exist_ok=True)
         print(f"built in {time.perf_counter() - t0:.0f} s", flush=True)
         return results
@@ -292,8 +365,8 @@ def build(calls, cache, tree, jobs):
 
 
 def _describe(call):
-    kw = "".join(f", {k}={v!r}" for k, v in call["kwargs"].items())
-    return f"{call['getter']}({', '.join(map(repr, call['args']))}{kw})"
+    parts = [repr(a) for a in call["args"]] + [f"{k}={v!r}" for k, v in call["kwargs"].items()]
+    return f"{call['getter']}({', '.join(parts)})"
 
 
 # ------------------------------------------------------------------ manifest, tar, check
@@ -310,7 +383,7 @@ def manifest(results, label, args):
     for r in results:
         entry = pathlib.Path(args.cache_dir) / ns / "kernels" / r["key"]
         files = json.loads((entry / "manifest.json").read_text())["files"]
-        kernels.append(dict(key=r["key"], kind=r["kind"], module=f"{OPS}.{r['module']}",
+        kernels.append(dict(key=r["key"], alias_key=r["alias_key"], kind=r["kind"], module=f"{OPS}.{r['module']}",
                             getter=r["getter"], args=r["args"], kwargs=r["kwargs"],
                             used_by=r["used_by"],
                             executable_sha256=files["executable.so"]["sha256"]))
@@ -351,22 +424,28 @@ def _patches_sha256():
 
 def write_tar(cache, path):
     """cache's files as a .tar.xz with sorted members, fixed mtime and owner: same bytes for
-    the same files."""
+    the same files. Symbolic links (the alias keys) stay links."""
+    import lzma
+
     cache = pathlib.Path(cache)
+    paths = []
+    for top, dirs, files in os.walk(cache):  # does not follow the links
+        paths += [pathlib.Path(top, n) for n in dirs + files]
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for p in sorted(cache.rglob("*"), key=lambda p: p.relative_to(cache).as_posix()):
+        for p in sorted(paths, key=lambda p: p.relative_to(cache).as_posix()):
             info = tar.gettarinfo(str(p), p.relative_to(cache).as_posix())
             info.mtime, info.uid, info.gid, info.uname, info.gname = EPOCH, 0, 0, "", ""
-            if p.is_dir():
+            if info.issym():
+                info.mode = 0o777
+                tar.addfile(info)
+            elif info.isdir():
                 info.mode = 0o755
                 tar.addfile(info)
             else:
                 info.mode = 0o644
                 with open(p, "rb") as f:
                     tar.addfile(info, f)
-    import lzma
-
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(lzma.compress(buf.getvalue(), format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64,
                                   preset=6))
@@ -374,10 +453,12 @@ def write_tar(cache, path):
 
 
 def check(cache_dir, out=print):
-    """Load every kernel of cache_dir's manifest through its getter with TILELANG_CACHE_DIR =
-    cache_dir and the target resolution of this process's environment, with nvcc and TileLang's
-    compile path replaced by a trap. Returns the number of kernels that did not load from the
-    shipped entry."""
+    """Load every kernel of cache_dir's manifest through its getter, with TILELANG_CACHE_DIR =
+    cache_dir and this process's own target resolution, nvcc and TileLang's compile path replaced
+    by a trap. Two passes: "fresh" (each kernel as a process's first kernel: in-memory caches and
+    the JIT functions' out_idx put back before each) and "one process" (all kernels in a row, as
+    one process that builds several kernels of one JIT function does). Returns the number of
+    kernels that did not load from their shipped entry."""
     import importlib
     import warnings
 
@@ -388,8 +469,8 @@ def check(cache_dir, out=print):
         out(f"error: {len(manifests)} manifests ({MANIFEST_PREFIX}*.json) in {cache_dir}")
         return 1
     m = json.loads(manifests[0].read_text())
-    if os.environ.get("TILELANG_CACHE_DIR") != str(cache_dir):
-        out(f"error: TILELANG_CACHE_DIR must be {cache_dir} before tilelang is imported")
+    if pathlib.Path(os.environ.get("TILELANG_CACHE_DIR", "~")).expanduser().resolve() != cache_dir:
+        out(f"error: TILELANG_CACHE_DIR must be {cache_dir} (set before tilelang is imported)")
         return 1
     import tilelang
     from tilelang.contrib import nvcc
@@ -398,29 +479,36 @@ def check(cache_dir, out=print):
     if tilelang.__version__ != m["tilelang"]:
         out(f"error: TileLang {tilelang.__version__} here, the kernels are for {m['tilelang']}")
         return 1
-    compiled = []
 
     def trap(*a, **k):
-        compiled.append(a)
         raise RuntimeError("a kernel was compiled, not loaded from the shipped cache")
 
     nvcc.compile_cuda = trap
     JITKernel._compile_and_create_adapter = trap
+    mods = {k["module"]: importlib.import_module(k["module"]) for k in m["kernels"]}
+    out_idx = {name: jit_out_idx(mod) for name, mod in mods.items()}
     bad = 0
-    for k in m["kernels"]:
-        mod = importlib.import_module(k["module"])
-        want = cache_dir / m["cache_namespace"] / "kernels" / k["key"]
-        t0 = time.perf_counter()
-        try:
-            kernel = getattr(mod, k["getter"])(*k["args"], **k["kwargs"])
-            got = pathlib.Path(kernel._tilelang_cache_path)
-            ok = got == want and kernel._tilelang_cache_key == k["key"]
-            what = "loaded" if ok else f"MISS (key {kernel._tilelang_cache_key[:16]})"
-        except Exception as exc:  # noqa: BLE001 (reported per kernel)
-            ok, what = False, f"MISS ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
-        bad += not ok
-        out(f"{k['kind']:7} {k['key'][:16]} {what} in {time.perf_counter() - t0:.2f} s")
-    out(f"{len(m['kernels']) - bad} of {len(m['kernels'])} kernels loaded from {cache_dir}"
+    for pass_name in ("fresh", "one process"):
+        for name, mod in mods.items():
+            forget_kernels(mod, out_idx[name])
+        for k in m["kernels"]:
+            mod = mods[k["module"]]
+            if pass_name == "fresh":
+                forget_kernels(mod, out_idx[k["module"]])
+            want = (cache_dir / m["cache_namespace"] / "kernels" / k["key"]).resolve()
+            t0 = time.perf_counter()
+            try:
+                kernel = getattr(mod, k["getter"])(*k["args"], **k["kwargs"])
+                got = pathlib.Path(kernel._tilelang_cache_path)
+                ok = got.resolve() == want
+                what = f"loaded from {got.name[:16]}" if ok else f"MISS (entry {got.name[:16]})"
+            except Exception as exc:  # noqa: BLE001 (reported per kernel)
+                ok, what = False, f"MISS ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+            bad += not ok
+            out(f"[{pass_name}] {k['kind']:7} {k['key'][:16]} {what} in "
+                f"{time.perf_counter() - t0:.2f} s")
+    n = 2 * len(m["kernels"])
+    out(f"{n - bad} of {n} kernel loads ({len(m['kernels'])} kernels, 2 passes) from {cache_dir}"
         f" without a compile")
     return bad
 
