@@ -239,7 +239,7 @@ def forget_kernels(mod, out_idx=None):
     LRU dicts, the JIT functions' own caches, TileLang's KernelCache), so the next getter call
     goes to TileLang's disk cache as a fresh process would. out_idx: {JIT function name: out_idx}
     to put back (TileLang 0.1.15 rewrites a JIT function's out_idx in place at its first disk-cache
-    load, see _alias_key)."""
+    load, see _keys)."""
     from collections import OrderedDict
 
     from tilelang.cache import _dispatch_map
@@ -252,7 +252,8 @@ def forget_kernels(mod, out_idx=None):
             value._kernel_cache.clear()
             value._call_form_cache.clear()
             if out_idx is not None and name in out_idx:
-                value.out_idx = list(out_idx[name]) if isinstance(out_idx[name], list) else out_idx[name]
+                idx = out_idx[name]
+                value.out_idx = list(idx) if isinstance(idx, list) else idx
         elif isinstance(value, OrderedDict) and name.endswith("_kernel_cache"):
             value.clear()
 
@@ -265,41 +266,55 @@ def jit_out_idx(mod):
             for n, v in vars(mod).items() if isinstance(v, JITImpl)}
 
 
-class _Key(Exception):
+class _Lookup(Exception):
     pass
 
 
-def lookup_key(mod, call):
-    """The disk-cache key TileLang computes for call in this process's state, without loading or
-    compiling anything."""
+def _lookup(mod, call):
+    """(key, out_idx, number of kernel parameters) of TileLang's disk-cache lookup for call in this
+    process's state, without loading or compiling anything; out_idx is the JIT function's own
+    list."""
     from tilelang.cache.kernel_cache import KernelCache
 
-    def stop(self, key, *a, **k):
-        raise _Key(key)
+    def stop(self, key, backend_context, out_idx=None, pass_configs=None, compile_flags=None,
+             func=None, verbose=False):
+        raise _Lookup(key, out_idx, len(func.params))
 
     orig = KernelCache._load_kernel_from_disk
     KernelCache._load_kernel_from_disk = stop
     try:
         getattr(mod, call["getter"])(*call["args"], **call["kwargs"])
-    except _Key as k:
-        return k.args[0]
+    except _Lookup as found:
+        return found.args
     finally:
         KernelCache._load_kernel_from_disk = orig
     raise RuntimeError(f"{_describe(call)} did not look up TileLang's disk cache")
 
 
-def _alias_key(mod, call, key):
-    """The key the same kernel gets after another kernel of its JIT function was loaded from the
-    disk cache in the same process. TileLang 0.1.15 loads an entry with the JIT function's own
-    out_idx list, and TVMFFIKernelAdapter.from_database legalizes that list in place (negative
-    indices become positive: jit/adapter/tvm_ffi.py from_database, jit/adapter/base.py
-    _legalize_result_idx), so every later key of that function hashes the positive out_idx. The
-    archive keeps the entry under both keys (the second a symbolic link)."""
-    forget_kernels(mod)
-    kernel = getattr(mod, call["getter"])(*call["args"], **call["kwargs"])  # a disk load
-    assert kernel._tilelang_cache_key == key, (kernel._tilelang_cache_key, key)
-    forget_kernels(mod)
-    return lookup_key(mod, call)
+def lookup_key(mod, call):
+    """The disk-cache key TileLang computes for call in this process's state."""
+    return _lookup(mod, call)[0]
+
+
+def _keys(mod, call):
+    """The key of call's kernel in a fresh process, and its key once another kernel of the same
+    JIT function has been loaded from the disk cache in the process. TileLang 0.1.15 loads an
+    entry with the JIT function's own out_idx list, and TVMFFIKernelAdapter.from_database
+    legalizes that list in place (negative indices become positive: jit/adapter/tvm_ffi.py
+    from_database, jit/adapter/base.py _legalize_result_idx), so the function's later keys hash the
+    positive out_idx. The archive keeps each entry under both keys (the second a symbolic link).
+    Computed before the kernel is compiled: a compile changes what a later elaboration of the same
+    call gives in this process (TileLang 0.1.15 renamed the warp-specialized forward's thread
+    variable)."""
+    key, out_idx, nparams = _lookup(mod, call)
+    if not isinstance(out_idx, list) or all(i >= 0 for i in out_idx):
+        return key, key
+    saved = list(out_idx)
+    out_idx[:] = [i + nparams if i < 0 else i for i in out_idx]  # what _legalize_result_idx does
+    try:
+        return key, lookup_key(mod, call)
+    finally:
+        out_idx[:] = saved
 
 
 def _build_one(job):
@@ -315,12 +330,15 @@ def _build_one(job):
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     mod = importlib.import_module(f"{OPS}.{call['module']}")
+    key, alias = _keys(mod, call)
     t0 = time.perf_counter()
     with _deterministic_nvcc(nvcc_base):
         kernel = getattr(mod, call["getter"])(*call["args"], **call["kwargs"])
     seconds = round(time.perf_counter() - t0, 1)
-    key = kernel._tilelang_cache_key
-    return dict(key=key, alias_key=_alias_key(mod, call, key), seconds=seconds)
+    if kernel._tilelang_cache_key != key:
+        raise RuntimeError(f"{_describe(call)}: stored under {kernel._tilelang_cache_key}, "
+                           f"looked up as {key}")
+    return dict(key=key, alias_key=alias, seconds=seconds)
 
 
 def namespace():
@@ -383,14 +401,14 @@ def manifest(results, label, args):
     for r in results:
         entry = pathlib.Path(args.cache_dir) / ns / "kernels" / r["key"]
         files = json.loads((entry / "manifest.json").read_text())["files"]
-        kernels.append(dict(key=r["key"], alias_key=r["alias_key"], kind=r["kind"], module=f"{OPS}.{r['module']}",
-                            getter=r["getter"], args=r["args"], kwargs=r["kwargs"],
-                            used_by=r["used_by"],
+        kernels.append(dict(key=r["key"], alias_key=r["alias_key"], kind=r["kind"],
+                            module=f"{OPS}.{r['module']}", getter=r["getter"], args=r["args"],
+                            kwargs=r["kwargs"], used_by=r["used_by"],
                             executable_sha256=files["executable.so"]["sha256"]))
     p = pin()
     return dict(
         format=1,
-        what="TileLang kernel cache: the GLM-5.3-Flash SparseMLA kernels of this megatron-core build",
+        what="TileLang kernel cache: the GLM-5.3-Flash SparseMLA kernels of a megatron-core build",
         label=label,
         megatron_core=f"{p['MCORE_VERSION']}+{label}",
         patches_sha256=_patches_sha256(),
@@ -488,10 +506,12 @@ def check(cache_dir, out=print):
     mods = {k["module"]: importlib.import_module(k["module"]) for k in m["kernels"]}
     out_idx = {name: jit_out_idx(mod) for name, mod in mods.items()}
     bad = 0
-    for pass_name in ("fresh", "one process"):
+    passes = [("fresh", m["kernels"]), ("one process", m["kernels"]),
+              ("one process, reversed", m["kernels"][::-1])]
+    for pass_name, kernels in passes:
         for name, mod in mods.items():
             forget_kernels(mod, out_idx[name])
-        for k in m["kernels"]:
+        for k in kernels:
             mod = mods[k["module"]]
             if pass_name == "fresh":
                 forget_kernels(mod, out_idx[k["module"]])
@@ -507,9 +527,9 @@ def check(cache_dir, out=print):
             bad += not ok
             out(f"[{pass_name}] {k['kind']:7} {k['key'][:16]} {what} in "
                 f"{time.perf_counter() - t0:.2f} s")
-    n = 2 * len(m["kernels"])
-    out(f"{n - bad} of {n} kernel loads ({len(m['kernels'])} kernels, 2 passes) from {cache_dir}"
-        f" without a compile")
+    n = len(passes) * len(m["kernels"])
+    out(f"{n - bad} of {n} kernel loads ({len(m['kernels'])} kernels, {len(passes)} passes) from "
+        f"{cache_dir} without a compile")
     return bad
 
 
