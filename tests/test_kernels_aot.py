@@ -291,3 +291,23 @@ def test_a_host_with_another_target_misses(artifact, tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "0 of 6 kernel loads" in proc.stdout
     assert proc.stdout.count("MISS (RuntimeError: a kernel was compiled") == 6
+
+
+@needs_tilelang
+@needs_nvcc
+def test_the_doctor_reads_the_archive(artifact, tmp_path, monkeypatch):
+    """The doctor's shipped-kernels line, from the archive's own manifest (shipped/glm53_doctor.py
+    and build_kernels.py agree on its fields)."""
+    sys.path.insert(0, str(ROOT / "shipped"))
+    import glm53_doctor
+
+    cache = _unpack(artifact[0], tmp_path / "cache")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TILELANG_DEFAULT_TARGET", TARGET_ENV)
+    label = pin()["LOCAL_LABEL"]
+    line = glm53_doctor.shipped_kernels(label)
+    assert line == (f"shipped kernels: 2 of 2 for {label} (TileLang 0.1.15, sm_90a, softmax scales "
+                    f"[{512 ** -0.5!r}]) in {cache}"), line
+    monkeypatch.delenv("TILELANG_DEFAULT_TARGET")
+    line = glm53_doctor.shipped_kernels(label)
+    assert "NOT USABLE AS IS: TILELANG_DEFAULT_TARGET is unset" in line
