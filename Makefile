@@ -4,10 +4,11 @@ SHELL := bash
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: help deps venv tree wheel test test-gpu bench test-upstream refresh check-patches rebase clean
+.PHONY: help deps venv tree wheel kernels test test-gpu bench test-upstream refresh check-patches rebase clean
 
 help:
 	@echo "make wheel          build dist/megatron_core-<pin>+<label>-cp3{12,13}-*.whl (pinned upstream + patches/)"
+	@echo "make kernels        dist/glm53-kernels-<label>-tilelang<ver>-sm90a.tar.xz: the GLM kernels, built without a GPU"
 	@echo "make test           CPU test suite (series integrity, GLM-5.3 hook cases, numerics, wheel)"
 	@echo "make test-gpu       GPU tests against the built wheel (needs CUDA + TileLang)"
 	@echo "make bench          H200 benchmark -> reports/h200-bench.*"
@@ -30,6 +31,13 @@ tree: venv
 
 wheel: tree
 	bash scripts/build_wheel.sh
+
+# The GLM SparseMLA kernels compiled for sm_90a on this machine (no GPU; nvcc and TileLang), as a
+# TileLang kernel-cache archive beside the wheels (README "Shipped kernels"). SCALES: the softmax
+# scales to build for (default 512**-0.5); SMS: the GPU's SM count (default 132, an H200); JOBS.
+kernels: tree
+	$(PY) scripts/build_kernels.py $(if $(SCALES),--scale $(SCALES)) $(if $(SMS),--sms $(SMS)) \
+	  $(if $(JOBS),--jobs $(JOBS))
 
 test: wheel
 	$(PYTEST) tests

@@ -3,8 +3,8 @@
   python -m megatron.core.glm53_patches doctor [--heads 16] [--tokens 4096]
 
 Prints the versions that matter (megatron-core and its patch label, torch and CUDA, TileLang,
-flash_mla and cudnn-frontend when present), the GPU, the applied patches and whether this build
-ships compiled kernels, then makes one small fused forward+backward at the GLM shape (q/k width
+flash_mla and cudnn-frontend when present), the GPU, the applied patches and the shipped kernels
+found in TILELANG_CACHE_DIR (the archive `make kernels` builds), then makes one small fused forward+backward at the GLM shape (q/k width
 512, top-k 2051, one KV head) through dsa_kernels.run_fused_absorbed_sparse_attention with
 MCORE_DSA_REQUIRE_FUSED=1, as DSAttention would call it. The last line is the verdict:
 
@@ -62,9 +62,55 @@ def report(out):
         out("GPU none (torch.cuda.is_available() is False)")
     if manifest:
         out(f"patches ({len(manifest.PATCHES)}): " + ", ".join(n[:4] for n, _ in manifest.PATCHES))
-    out("shipped kernels: none in this build; TileLang compiles each kernel shape at its first call"
-        f" (nvcc {'found: ' + shutil.which('nvcc') if shutil.which('nvcc') else 'NOT on PATH'})")
+    out(shipped_kernels(manifest.LOCAL_LABEL if manifest else None))
     return torch, manifest
+
+
+def shipped_kernels(label):
+    """The shipped-kernels line: the archive `make kernels` builds (glm53-kernels-<label>-*.tar.xz),
+    unpacked into TileLang's cache folder, and whether this process's lookups can reach it."""
+    import glob
+    import json
+
+    cache = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
+    nvcc = shutil.which("nvcc")
+    compiles = ("TileLang compiles each kernel shape at its first call (nvcc "
+                f"{'found: ' + nvcc if nvcc else 'NOT on PATH'})")
+    found = sorted(glob.glob(os.path.join(glob.escape(cache), "glm53-kernels-*.json")))
+    if not found:
+        return f"shipped kernels: none in TILELANG_CACHE_DIR ({cache}); {compiles}"
+    lines = []
+    for path in found:
+        try:
+            with open(path) as f:
+                m = json.load(f)
+            keys = [k["key"] for k in m["kernels"]]
+            here = sum(os.path.isdir(os.path.join(cache, m["cache_namespace"], "kernels", k))
+                       for k in keys)
+            what = (f"{here} of {len(keys)} for {m['label']} (TileLang {m['tilelang']}, "
+                    f"{m['target'].get('arch')}, softmax scales {m['scales']}) in {cache}")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            lines.append(f"shipped kernels: unreadable manifest {path}: {exc}")
+            continue
+        problems = []
+        if label is not None and m["label"] != label:
+            problems.append(f"built for {m['label']}, this build is {label}")
+        tilelang = _version("tilelang", "tilelang")
+        if tilelang and tilelang != m["tilelang"]:
+            problems.append(f"TileLang here is {tilelang}")
+        target = os.environ.get("TILELANG_DEFAULT_TARGET")
+        try:
+            same = target is not None and json.loads(target) == m["target"]
+        except ValueError:
+            same = False
+        if target is None:
+            problems.append("TILELANG_DEFAULT_TARGET is unset (TileLang's own detection gives "
+                            "the same target only on an H100/H200 where it finds a CUDA folder)")
+        elif not same:
+            problems.append(f"TILELANG_DEFAULT_TARGET is {target}, not {json.dumps(m['target'])}")
+        lines.append(f"shipped kernels: {what}" + (
+            f"; NOT USABLE AS IS: {'; '.join(problems)}; {compiles}" if problems else ""))
+    return "\n".join(lines)
 
 
 def causal_indices(tokens, topk, device):
@@ -120,7 +166,8 @@ def fused_call(heads=16, tokens=4096, device="cuda"):
         return "error", "the fused call returned non-finite values"
     route = os.environ.get("MCORE_DSA_TILELANG_NOPE", "auto") or "auto"
     return "ok", (f"tilelang backend, NoPE route {route}, {heads} heads, {tokens} tokens, top-k "
-                  f"{GLM_TOPK}: fwd+bwd in {seconds:.1f} s, first call, compiles included")
+                  f"{GLM_TOPK}: fwd+bwd in {seconds:.1f} s, first call (kernel compiles or cache loads "
+                  "included)")
 
 
 def doctor(argv=None, out=print):

@@ -106,3 +106,45 @@ def test_render_rewrites_table_and_plot_from_jsonl(tmp_path):
     md = (tmp_path / "o/h200-bench.md").read_text()
     assert "label glm53nope.x" in md and "- n1" in md
     assert (tmp_path / "o/h200-bench.png").stat().st_size > 10_000
+
+
+def test_first_call_shipped_unpacks_the_archive_and_hides_nvcc(tmp_path, monkeypatch):
+    """first_call_shipped: the `make kernels` archive unpacked into the fresh process's otherwise
+    empty TileLang cache, TILELANG_DEFAULT_TARGET its target, no folder with nvcc on PATH; the row
+    keeps the doctor's own time of the fused call and how many kernels TileLang still compiled."""
+    import io
+    import os
+    import tarfile
+
+    import bench
+
+    tools = tmp_path / "cuda-bin"
+    tools.mkdir()
+    (tools / "nvcc").write_text("#!/bin/sh\n")
+    (tools / "nvcc").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    manifest = json.dumps(dict(target={"kind": "cuda", "arch": "sm_90a"})).encode()
+    archive = tmp_path / "glm53-kernels-x-tilelang0.1.15-sm90a.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        info = tarfile.TarInfo("glm53-kernels-x.json")
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
+    seen = {}
+
+    def runner(cmd, env, **kw):
+        seen.update(env=env, files=sorted(os.listdir(env["TILELANG_CACHE_DIR"])))
+        out = ("ok 3.25 tilelang backend, NoPE route native, 16 heads, 4096 tokens, top-k 2051: "
+               "fwd+bwd in 0.8 s, first call (kernel compiles or cache loads included)\n")
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    row = bench.first_call_cold(archive, runner=runner)
+    assert seen["files"] == ["glm53-kernels-x.json"]
+    assert json.loads(seen["env"]["TILELANG_DEFAULT_TARGET"]) == {"kind": "cuda", "arch": "sm_90a"}
+    assert str(tools) not in seen["env"]["PATH"].split(os.pathsep)
+    assert row["name"] == "first_call_shipped" and row["status"] == "ok"
+    assert (row["first_call_s"], row["fused_s"], row["compiled"]) == (3.25, 0.8, 0)
+    assert row["shipped_kernels"] is True and row["archive"] == archive.name
+    path = tmp_path / "t.md"
+    bench.write_table([row], [], path)
+    assert "| first_call_shipped | 512 | 2051 | 16 | 4096 | first call 3.2 s |" in path.read_text()
+    assert "fused call 0.8 s, 0 kernels compiled" in path.read_text()

@@ -78,6 +78,45 @@ def test_verdict_is_the_last_line_with_its_exit_code(monkeypatch, status, code, 
                                                              for l in lines)
 
 
+def _manifest(cache, label="glm53nope.99", keys=("a" * 64, "b" * 64), present=1):
+    import json
+
+    ns = "0.1.15/linux-x86_64"
+    for k in keys[:present]:
+        (cache / ns / "kernels" / k).mkdir(parents=True)
+    m = dict(label=label, tilelang="0.1.15", target={"kind": "cuda", "arch": "sm_90a"},
+             cache_namespace=ns, scales=[512 ** -0.5], kernels=[dict(key=k) for k in keys])
+    (cache / f"glm53-kernels-{label}.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("target,usable", [
+    ('{"arch": "sm_90a", "kind": "cuda"}', True),
+    (None, False),
+    ('{"kind": "cuda", "arch": "sm_90"}', False),
+])
+def test_shipped_kernels_line(monkeypatch, tmp_path, target, usable):
+    """What the doctor says about the archive `make kernels` builds, unpacked into
+    TILELANG_CACHE_DIR: how many of its kernels are there, and what keeps this process from
+    finding them (another label or TileLang, TILELANG_DEFAULT_TARGET)."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    assert glm53_doctor.shipped_kernels("glm53nope.99").startswith(
+        f"shipped kernels: none in TILELANG_CACHE_DIR ({tmp_path}); TileLang compiles")
+    _manifest(tmp_path)
+    monkeypatch.setattr(glm53_doctor, "_version", lambda *a: "0.1.15")
+    if target is None:
+        monkeypatch.delenv("TILELANG_DEFAULT_TARGET", raising=False)
+    else:
+        monkeypatch.setenv("TILELANG_DEFAULT_TARGET", target)
+    line = glm53_doctor.shipped_kernels("glm53nope.99")
+    assert line.startswith("shipped kernels: 1 of 2 for glm53nope.99 (TileLang 0.1.15, sm_90a,")
+    assert ("NOT USABLE" not in line) == usable, line
+    assert ("TILELANG_DEFAULT_TARGET is unset" in line) == (target is None)
+    other = glm53_doctor.shipped_kernels("glm53nope.100")
+    assert "NOT USABLE AS IS: built for glm53nope.99, this build is glm53nope.100" in other
+    monkeypatch.setattr(glm53_doctor, "_version", lambda *a: "0.1.16")
+    assert "TileLang here is 0.1.16" in glm53_doctor.shipped_kernels("glm53nope.99")
+
+
 def test_usage_without_doctor_subcommand(capsys):
     assert glm53_doctor.main([]) == 2
     assert "usage" in capsys.readouterr().err

@@ -1,0 +1,313 @@
+"""Shipped kernels (issue #19): scripts/build_kernels.py (`make kernels`) builds the GLM
+SparseMLA kernels for sm_90a on a machine without a GPU into a TileLang cache archive, and a GPU
+host's first fused call loads them from it instead of compiling.
+
+What a GPU host does is emulated in fresh processes: torch.cuda says "an H200" (compute capability
+9.0), nvcc is not on PATH, and either TileLang detects the target itself (TILELANG_DEFAULT_TARGET
+unset; a CUDA folder without nvcc is found, as in a CUDA runtime image) or TILELANG_DEFAULT_TARGET
+is set and no CUDA toolkit exists at all. In those processes the wheel's own kernel getters
+(_get_*_kernel) are called with what the fused hook passes them; nvcc and TileLang's compile path
+are traps. The kernels themselves run only on a GPU: tests/gpu and the README's GPU check.
+"""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from native_kernels import has, needs_nvcc, needs_tilelang
+from shell import ROOT, pin
+
+import megatron.core
+
+TREE = pathlib.Path(megatron.core.__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "build_kernels.py"
+TARGET_ENV = '{"kind": "cuda", "arch": "sm_90a"}'  # what the README tells a user to set
+# 2 small kernels of one JIT function: the delta kernel at 16 and 32 heads
+SUBSET = ["--only", "pre", "--heads", "16", "32", "--routes", "native"]
+
+# How the emulated process starts: before tilelang is imported, hide the CUDA toolkit
+# (TileLang looks for it once, at import) and make torch.cuda report an H200.
+PREAMBLE = r"""
+import os, sys
+mode = os.environ.pop("AOT_MODE")
+if "no-toolkit" in mode:
+    _exists = os.path.exists
+    _hidden = ("/usr/local/cuda", "/opt/nvidia")
+    os.path.exists = lambda p: not os.fspath(p).startswith(_hidden) and _exists(p)
+import torch
+if mode != "build":
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.current_device = lambda: 0
+import tilelang
+if "no-toolkit" in mode:
+    os.path.exists = _exists
+    assert tilelang.env.CUDA_HOME == "", tilelang.env.CUDA_HOME
+sys.path[:0] = [os.environ.pop("AOT_TREE"), os.environ.pop("AOT_SCRIPTS")]
+import build_kernels
+"""
+
+KEYS = PREAMBLE + r"""
+import importlib, json, warnings
+warnings.filterwarnings("ignore")
+out = []
+for c in json.load(open(sys.argv[1])):
+    mod = importlib.import_module(build_kernels.OPS + "." + c["module"])
+    try:
+        out.append(build_kernels.lookup_key(mod, c))
+    except Exception as e:
+        out.append(f"{type(e).__name__}: {e}")
+print("KEYS " + json.dumps(out))
+"""
+
+CHECK = PREAMBLE + r"""
+sys.exit(1 if build_kernels.check(sys.argv[1]) else 0)
+"""
+
+# mode -> TILELANG_DEFAULT_TARGET (None: unset)
+GPU_HOSTS = {
+    "h200-auto": None,  # TileLang's own detection: sm_90a on compute capability 9.0
+    "h200-explicit-no-toolkit": TARGET_ENV,
+    "h200-explicit-reordered-no-toolkit": '{"arch":"sm_90a", "kind":"cuda"}',
+}
+
+
+def _path_without_nvcc():
+    dirs = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join(d for d in dirs if d and not os.access(os.path.join(d, "nvcc"), os.X_OK))
+
+
+def _run(code, mode, target, cache, tmp, *args):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TILELANG_", "MCORE_DSA_", "CUDA_HOME", "CUDA_PATH"))}
+    env.update(AOT_MODE=mode, AOT_TREE=str(TREE), AOT_SCRIPTS=str(ROOT / "scripts"),
+               TILELANG_CACHE_DIR=str(cache), PYTHONWARNINGS="ignore")
+    if mode != "build":
+        env["PATH"] = _path_without_nvcc()
+    if mode == "h200-auto":  # a CUDA folder without nvcc (a CUDA runtime image's /usr/local/cuda)
+        cuda = tmp / "cuda-runtime-only"
+        (cuda / "lib64").mkdir(parents=True, exist_ok=True)
+        env["CUDA_HOME"] = str(cuda)
+    if target is not None:
+        env["TILELANG_DEFAULT_TARGET"] = target
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def glm_plan(tmp_path_factory):
+    """The kernel getter calls of the GLM set, as the hook makes them (build_kernels.py --plan)."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), "--tree", str(TREE),
+                           "--plan"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(proc.stdout)
+    return path, json.loads(proc.stdout)
+
+
+@needs_tilelang
+def test_plan_is_the_glm_set(glm_plan):
+    """Every (route, query heads) gets its forward, delta, backward and dKV-cast kernel, as the
+    wrappers build them: native 512 (top-k 2051 at run time; the warp-specialized forward at 16
+    and 32 kernel heads, persistent over an H200's 132 SMs at 16) and #7617's 576 (top-k padded to
+    2112). 8 query heads run as 16: the same kernels."""
+    _, calls = glm_plan
+    uses = {}
+    for c in calls:
+        for u in c["used_by"]:
+            assert u["topk"] == 2051 and u["scale"] == 512 ** -0.5
+            uses.setdefault((u["route"], u["heads"]), []).append(c)
+    assert set(uses) == {(r, h) for r in ("native", "padded") for h in (8, 16, 32, 64)}
+    for (route, heads), cs in uses.items():
+        kinds = sorted(c["kind"] for c in cs)
+        ws = route == "native" and has("0070") and heads in (8, 16, 32)
+        assert kinds == sorted(["bwd", "post", "pre", "fwd_ws" if ws else "fwd"]), (route, heads)
+        kernel_heads = max(heads, 16)
+        for c in cs:
+            a = dict(zip(["heads", "dim", "tail_dim", "topk"], c["args"]), **c["kwargs"])
+            if c["kind"] == "fwd_ws":
+                assert c["args"][:3] == [kernel_heads, 512, 2112 if kernel_heads == 16 else 2176]
+                assert c["args"][-1] == (132 if kernel_heads == 16 else 0)  # CTAs: the H200's SMs
+            elif c["kind"] == "fwd":
+                assert (a["heads"], a["dim"], a["topk"]) == (kernel_heads, 512, 2112)
+                assert a["tail_dim"] == (0 if route == "native" else 64)
+                assert a["topk_dynamic"] == (route == "native")
+            elif c["kind"] == "bwd":
+                assert (a["heads"], a["dim"]) == (kernel_heads, 512)
+                want = (0, 2080) if route == "native" else (64, 2112)
+                assert (a["tail_dim"], a["topk"]) == want
+            elif c["kind"] == "pre":
+                assert c["args"] == [kernel_heads, 512]
+            else:
+                assert c["args"] == [512, 0 if route == "native" else 64, 1]
+    # 16, 32 and 64 kernel heads x (fwd, pre, bwd) x 2 routes, pre shared, + 2 dKV casts
+    assert len(calls) == 17
+
+
+@needs_tilelang
+def test_gpu_host_computes_the_keys_the_build_stores(glm_plan, tmp_path):
+    """For every kernel of the GLM set, the TileLang cache key a GPU host computes at run time
+    (target auto-detected on an H200, or TILELANG_DEFAULT_TARGET set, spelled either way, with no
+    CUDA toolkit) equals the key the build process stores it under. The TIR is elaborated, the key
+    hashed, nothing compiled. Without a toolkit and without TILELANG_DEFAULT_TARGET, TileLang 0.1.15
+    resolves no target at all (cuda/target.py: auto-detection requires a CUDA folder): why the
+    README says to set it."""
+    path, calls = glm_plan
+    keys = {}
+    for mode, target in [("build", TARGET_ENV), *GPU_HOSTS.items()]:
+        proc = _run(KEYS, mode, target, tmp_path / f"cache-{mode}", tmp_path, path)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("KEYS ")]
+        assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+        keys[mode] = json.loads(lines[-1][5:])
+    assert all(len(k) == 64 for k in keys["build"]), keys["build"]
+    assert len(set(keys["build"])) == len(calls)
+    for mode in GPU_HOSTS:
+        assert keys[mode] == keys["build"], mode
+    proc = _run(KEYS, "h200-auto-no-toolkit", None, tmp_path / "cache-none", tmp_path, path)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("KEYS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for k in json.loads(lines[-1][5:]):
+        assert "No registered target detector found an available target" in k, k
+
+
+def _build(out):
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), "--tree", str(TREE),
+                           "--out", str(out), "--jobs", "2", *SUBSET],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tars = sorted(pathlib.Path(out).glob("glm53-kernels-*.tar.xz"))
+    assert len(tars) == 1, tars
+    return tars[0], proc.stdout
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """The archive of a 2-kernel subset (the delta kernel at 16 and 32 heads: small, and two
+    kernels of one JIT function), built by the script as `make kernels` runs it."""
+    return _build(tmp_path_factory.mktemp("kernels-a"))
+
+
+def _members(tar_path):
+    with tarfile.open(tar_path) as tar:
+        return tar.getmembers(), json.load(tar.extractfile(
+            next(m for m in tar.getmembers() if m.name.startswith("glm53-kernels-"))))
+
+
+@needs_tilelang
+@needs_nvcc
+def test_archive_names_tilelang_target_and_label(artifact):
+    import tilelang
+
+    path, log = artifact
+    label = pin()["LOCAL_LABEL"]
+    dev = (ROOT / "requirements" / "dev.txt").read_text()
+    pinned = next(l.split("==")[1].strip() for l in dev.splitlines() if l.startswith("tilelang=="))
+    assert tilelang.__version__ == pinned
+    assert path.name == f"glm53-kernels-{label}-tilelang{pinned}-sm90a.tar.xz"
+    members, m = _members(path)
+    assert m["label"] == label and m["tilelang"] == pinned
+    assert m["megatron_core"] == f"{pin()['MCORE_VERSION']}+{label}"
+    assert m["target"] == json.loads(TARGET_ENV) and m["execution_backend"] == "tvm_ffi"
+    assert m["cache_namespace"] == f"{pinned}/linux-x86_64"
+    assert json.loads(m["env"]["TILELANG_DEFAULT_TARGET"]) == json.loads(TARGET_ENV)
+    assert [k["args"] for k in m["kernels"]] == [[16, 512], [32, 512]]
+    by_name = {x.name: x for x in members}
+    assert [x.name for x in members] == sorted(by_name)  # sorted, fixed time and owner
+    owners = {(x.mtime, x.uid, x.gid, x.uname, x.gname) for x in members}
+    assert owners == {(315532800, 0, 0, "", "")}
+    with tarfile.open(path) as tar:
+        for k in m["kernels"]:
+            entry = f"{m['cache_namespace']}/kernels/{k['key']}"
+            for f in ("executable.so", "params.json", "manifest.json", "device_kernel.cu",
+                      "host_kernel.cu"):
+                assert by_name[f"{entry}/{f}"].isfile(), f
+            import hashlib
+            so = tar.extractfile(by_name[f"{entry}/executable.so"]).read()
+            assert hashlib.sha256(so).hexdigest() == k["executable_sha256"]
+            # the second key of the same entry (TileLang's in-process out_idx rewrite): a link
+            alias = by_name[f"{m['cache_namespace']}/kernels/{k['alias_key']}"]
+            assert alias.issym() and alias.linkname == k["key"]
+    assert "6 of 6 kernel loads" in log  # the build checked its own archive
+
+
+@needs_tilelang
+@needs_nvcc
+def test_build_is_reproducible(artifact, tmp_path):
+    again, _ = _build(tmp_path)
+    assert again.read_bytes() == artifact[0].read_bytes()
+
+
+def _unpack(tar_path, dest):
+    dest.mkdir()
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+def _listing(root):
+    return sorted((str(p.relative_to(root)), p.is_symlink(), p.stat().st_size if p.is_file() else 0)
+                  for p in root.rglob("*"))
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.parametrize("mode", sorted(GPU_HOSTS))
+def test_gpu_host_loads_the_shipped_kernels_without_compiling(artifact, tmp_path, mode):
+    """Unpacked into an otherwise empty TILELANG_CACHE_DIR, each shipped kernel comes back from
+    the wheel's own getter as the shipped entry, with nvcc absent and TileLang's compile path a
+    trap: as a process's first kernel, and all in one process (the second kernel of a JIT function
+    then has TileLang's rewritten out_idx and loads through the alias). Nothing is written."""
+    cache = _unpack(artifact[0], tmp_path / "cache")
+    before = _listing(cache)
+    proc = _run(CHECK, mode, GPU_HOSTS[mode], cache, tmp_path, cache)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "6 of 6 kernel loads (2 kernels, 3 passes)" in proc.stdout
+    assert "TileLang begins to compile" not in text
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("[one process]")]
+    _, m = _members(artifact[0])
+    # the first delta kernel by its own key, the second through the alias
+    assert f"loaded from {m['kernels'][0]['key'][:16]}" in lines[0]
+    assert f"loaded from {m['kernels'][1]['alias_key'][:16]}" in lines[1]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("[one process, reversed]")]
+    assert f"loaded from {m['kernels'][1]['key'][:16]}" in lines[0]
+    assert f"loaded from {m['kernels'][0]['alias_key'][:16]}" in lines[1]
+    assert _listing(cache) == before
+
+
+@needs_tilelang
+@needs_nvcc
+def test_a_host_with_another_target_misses(artifact, tmp_path):
+    """The check can fail: with TILELANG_DEFAULT_TARGET naming sm_90 (not sm_90a) every lookup
+    misses, and the trap stops the compile."""
+    cache = _unpack(artifact[0], tmp_path / "cache")
+    proc = _run(CHECK, "h200-explicit-no-toolkit", '{"kind": "cuda", "arch": "sm_90"}', cache,
+                tmp_path, cache)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "0 of 6 kernel loads" in proc.stdout
+    assert proc.stdout.count("MISS (RuntimeError: a kernel was compiled") == 6
+
+
+@needs_tilelang
+@needs_nvcc
+def test_the_doctor_reads_the_archive(artifact, tmp_path, monkeypatch):
+    """The doctor's shipped-kernels line, from the archive's own manifest (shipped/glm53_doctor.py
+    and build_kernels.py agree on its fields)."""
+    sys.path.insert(0, str(ROOT / "shipped"))
+    import glm53_doctor
+
+    cache = _unpack(artifact[0], tmp_path / "cache")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TILELANG_DEFAULT_TARGET", TARGET_ENV)
+    label = pin()["LOCAL_LABEL"]
+    line = glm53_doctor.shipped_kernels(label)
+    assert line == (f"shipped kernels: 2 of 2 for {label} (TileLang 0.1.15, sm_90a, softmax scales "
+                    f"[{512 ** -0.5!r}]) in {cache}"), line
+    monkeypatch.delenv("TILELANG_DEFAULT_TARGET")
+    line = glm53_doctor.shipped_kernels(label)
+    assert "NOT USABLE AS IS: TILELANG_DEFAULT_TARGET is unset" in line
