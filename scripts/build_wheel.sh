@@ -3,7 +3,8 @@
 # The copy it builds from gets two stamps and this project's own modules, nothing else: the PEP 440
 # local label in package_info.py, megatron/core/glm53_patches.py (the manifest of applied patches;
 # `python -m megatron.core.glm53_patches doctor` runs the doctor) and shipped/*.py into megatron/core/.
-# Reproducible: fixed SOURCE_DATE_EPOCH, source paths mapped out of the C++ extension.
+# Reproducible: fixed SOURCE_DATE_EPOCH, source and build-environment paths mapped out of the C++
+# extension (pybind11's headers are in the venv: its path would differ between checkouts).
 . "$(dirname "$0")/lib.sh"
 py=$VENV/bin/python
 [ -x "$py" ] || die "no virtual environment at $VENV: run 'make venv' first"
@@ -62,7 +63,8 @@ for venv in "$VENV" "$VENV313"; do
   note "building the $tag wheel (setuptools, no build isolation; compiles megatron.core.datasets.helpers_cpp)"
   rm -rf "$out" "$src/build" "$src"/*.egg-info
   (cd "$src" && SOURCE_DATE_EPOCH=315532800 NO_VCS_VERSION=1 \
-    CFLAGS="-ffile-prefix-map=$src=." CXXFLAGS="-ffile-prefix-map=$src=." \
+    CFLAGS="-ffile-prefix-map=$src=. -ffile-prefix-map=$venv=venv" \
+    CXXFLAGS="-ffile-prefix-map=$src=. -ffile-prefix-map=$venv=venv" \
     "$bpy" -m pip wheel --quiet --no-deps --no-build-isolation --disable-pip-version-check -w "$out" . >&2) ||
     die "building the $tag wheel failed"
   whl=$(ls "$out"/megatron_core-*-"$tag"-*linux_x86_64.whl) || die "no $tag wheel in $out"
