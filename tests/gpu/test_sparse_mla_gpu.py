@@ -84,18 +84,24 @@ def test_fused_matches_fp32_reference(width, route, topk, heads, sq):
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads,max_block_h", [(64, 64), (64, 32), (128, 64), (128, 32)])
 def test_native_backward_head_blocks_match_fp32_reference(monkeypatch, heads, max_block_h, topk):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + max_block_h + topk, 5,
+                                           bwd_max_block_h=max_block_h)
+
+
+def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row, **options):
+    """The native route's fwd+bwd with NativeKernelOptions `options` against the FP32 reference
+    (200 queries, row `empty_row` without a valid index: its dq must be exactly zero)."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
-    sq, empty = 200, (5,)
-    q, k, do, idx = make(sq, heads, 512, topk, seed=heads + max_block_h + topk, empty_rows=empty)
-    with override_native_kernel_options(bwd_max_block_h=max_block_h):
+    q, k, do, idx = make(200, heads, 512, topk, seed=seed, empty_rows=(empty_row,))
+    with override_native_kernel_options(**options):
         got = run_fused(q, k, idx, do)
     ref = run_reference(q, k, idx, do)
     for name, a, b in zip(("out", "dq", "dk"), got, ref):
         assert torch.isfinite(a.float()).all(), f"{name} has non-finite values"
         err = rel_l2(a, b)
         assert err < TOL, f"{name}: relative L2 error {err:.2e}"
-    assert torch.count_nonzero(got[1][empty[0]]) == 0
+    assert torch.count_nonzero(got[1][empty_row]) == 0
 
 
 # 0105: the dKV chunk configurations (64 columns staged at a 16-head block, 128 from registers
@@ -105,18 +111,8 @@ def test_native_backward_head_blocks_match_fp32_reference(monkeypatch, heads, ma
 @pytest.mark.parametrize("heads", [8, 16, 64, 128])
 @pytest.mark.parametrize("chunks", [True, False])
 def test_native_backward_dkv_chunks_match_fp32_reference(monkeypatch, heads, chunks, topk):
-    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
-    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
-    sq, empty = 200, (7,)
-    q, k, do, idx = make(sq, heads, 512, topk, seed=3 * heads + topk + chunks, empty_rows=empty)
-    with override_native_kernel_options(bwd_dkv_chunks=chunks):
-        got = run_fused(q, k, idx, do)
-    ref = run_reference(q, k, idx, do)
-    for name, a, b in zip(("out", "dq", "dk"), got, ref):
-        assert torch.isfinite(a.float()).all(), f"{name} has non-finite values"
-        err = rel_l2(a, b)
-        assert err < TOL, f"{name}: relative L2 error {err:.2e}"
-    assert torch.count_nonzero(got[1][empty[0]]) == 0
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, 3 * heads + topk + chunks, 7,
+                                           bwd_dkv_chunks=chunks)
 
 
 @pytest.fixture
