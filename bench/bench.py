@@ -21,6 +21,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
+  native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
+                dKV chunks staged or added 2 floats at a time), 32k/16, 32 and 64 heads
   padded_fwd / native_fwd   the same, forward only
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
@@ -440,6 +442,10 @@ def run(args):
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
                                                             idx, options=dict(bwd_dkv_chunks=False)))
+            if heads in (16, 32, 64) and L == 32768 and has_native_option("bwd_dkv_lines"):
+                # A/B of patch 0106 (the line-ordered dKV add from registers)
+                add("native_dkv_staged", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
+                                                             idx, options=dict(bwd_dkv_lines=False)))
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)

@@ -22,9 +22,9 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
                   (query, key) is added once
   native_bh64_no_atomic
 --set chunks (0105): native (the whole dKV block, staged in row slices) and native_c64/c128 (dKV
-  in 64/128-column chunks, staged) and native_c64d/c128d (added from registers); with
-  WIP_PATCHES=wip/0106-bwd-dkv-v4-lines.patch also native_c64l (16 heads) / native_c128l (4-float
-  adds from registers into a line-ordered accumulator)
+  in 64/128-column chunks, staged) and native_c64d/c128d (added from registers); with 0106 (in
+  the series from .15) also native_c64l (16 heads) / native_c128l (4-float adds from registers
+  into a line-ordered accumulator, the default since 0106)
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
@@ -212,7 +212,7 @@ def main():
             dq = call()
             torch.cuda.synchronize()
             got = (dq[..., :512].clone(), dkv[..., :512].clone())
-            if cfg.get("dkv_lines"):  # wip/0106: the accumulator's columns in line order
+            if cfg.get("dkv_lines"):  # 0106: the accumulator's columns in line order
                 got = (got[0], got[1][..., [bwd_mod._line_column(d) for d in range(512)]])
             times = timed(call, args.reps)
             row["bwd_ms"] = statistics.median(times)

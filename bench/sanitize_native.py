@@ -8,7 +8,7 @@ check. As scripts/gpu_run.sh sanitize runs it:
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_native.py [--quick]
 
 --quick (for racecheck, which is slow on every shared-memory access): the 16- and 64-head cases
-only (the backward's chunked dKV at both blocks, 0105), with fewer queries.
+only (the backward's line-ordered dKV add at both thread counts, 0106), with fewer queries.
 """
 import os
 import sys

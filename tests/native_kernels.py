@@ -70,6 +70,9 @@ FEATURES = {
     "0105": ("NativeKernelOptions.bwd_dkv_chunks",
              lambda: hasattr(tilelang_utils, "NativeKernelOptions")
              and "bwd_dkv_chunks" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
+    "0106": ("NativeKernelOptions.bwd_dkv_lines",
+             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
+             and "bwd_dkv_lines" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
 }
 
 

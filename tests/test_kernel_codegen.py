@@ -337,3 +337,29 @@ def test_native_bwd_dkv_chunks_shrink_the_accumulator(sm90):
     assert c64.count("AtomicAddx2(") > 0 and "AtomicAddx4(" not in c64
     for src in (c16, c64):
         assert src.count("< ((uint)seq_len_kv)") >= 3 and "576" not in src
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0106")
+@pytest.mark.parametrize("heads,threads", [(16, 128), (64, 256)])
+def test_native_bwd_dkv_lines_adds_4_floats_from_registers(sm90, heads, threads):
+    """0106: the line-ordered dKV add (16 columns a warp) reorders each chunk in registers and
+    adds it with 4-float atomics straight from them: no shared stage for dKV (less shared memory
+    than 0105's staged 16-head chunk), no 2-float atomics. The postprocess built with lines=True
+    compiles for sm_90a too."""
+    btopk = _round_up(2051, BWD_BLOCK)
+    chunk = 16 * (threads // 32)
+    src, smem, _ = _bwd(sm90, heads, 0, btopk, True, max_block_h=heads, threads=threads,
+                        skip_invalid_gather=True, split_store=8, dkv_chunk=chunk, dkv_lines=True)
+    assert "float acc_dkv[16];" in src and "float acc_lines[16];" in src
+    assert src.count("AtomicAddx4(") > 0 and "AtomicAddx2(" not in src
+    assert "acc_dkv_shared" not in src
+    assert src.count("< ((uint)seq_len_kv)") >= 3 and "576" not in src
+    if heads == 16:
+        _, staged_smem, _ = _bwd(sm90, 16, 0, btopk, True, max_block_h=16, threads=128,
+                                 skip_invalid_gather=True, split_store=8, dkv_chunk=64)
+        assert _only_smem(smem) < _only_smem(staged_smem)
+    plain, _, _ = sm90("post", bwd_mod.postprocess, D_V, 0, 1)
+    post, _, _ = sm90("post-lines", bwd_mod.postprocess, D_V, 0, 1, lines=True)
+    assert post != plain

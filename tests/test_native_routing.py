@@ -59,6 +59,27 @@ def _lse_log2(q, kv, indices, scale):
     return lse.permute(0, 2, 1).contiguous()
 
 
+def _line_order(width):
+    """0106's line order, written out independently of the kernel module: within each 16
+    columns, the MMA fragment's column pairs (2r, 2r + 1) and (8 + 2r, 9 + 2r) of lane group r
+    are stored at 4r .. 4r + 3. Returns where each column is stored."""
+    where = []
+    for d in range(width):
+        group, h, r, e = d // 16, (d % 16) // 8, (d % 8) // 2, d % 2
+        where.append(16 * group + 4 * r + 2 * h + e)
+    return torch.tensor(where)
+
+
+def _to_lines(x):
+    out = torch.empty_like(x)
+    out[..., _line_order(x.size(-1))] = x
+    return out
+
+
+def _from_lines(x):
+    return x[..., _line_order(x.size(-1))]
+
+
 class KernelFakes:
     """Stands in for the compiled kernels: records what the kernel getters and kernel calls
     receive and computes the kernel contract in PyTorch."""
@@ -114,17 +135,19 @@ class KernelFakes:
                 kf = kv.detach().float().requires_grad_()
                 out = _attend(qf, kf, indices, sm_scale)
                 dq, dk = torch.autograd.grad(out, (qf, kf), do.float())
-            dkv += dk
+            # 0106: a kernel built with dkv_lines keeps dKV in line order (the postprocess built
+            # with lines=True restores it)
+            dkv += _to_lines(dk) if extra.get("dkv_lines") else dk
             return dq.to(q.dtype)
 
         return kernel
 
-    def get_post(self, D, D_tail, kv_group):
-        self.builds.append(dict(kind="post", dim=D, tail_dim=D_tail))
+    def get_post(self, D, D_tail, kv_group, lines=False):
+        self.builds.append(dict(kind="post", dim=D, tail_dim=D_tail, lines=lines))
 
         def kernel(dkv):
             assert dkv.size(-1) == D + D_tail
-            return dkv.to(torch.bfloat16)
+            return (_from_lines(dkv) if lines else dkv).to(torch.bfloat16)
 
         return kernel
 
@@ -340,6 +363,8 @@ def test_native_backward_dkv_chunks(fakes, monkeypatch, heads, block_h, chunks, 
     monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
     query, key, idx = _inputs(512, 131, heads, 256, 512)
     changes = dict(bwd_dkv_chunks=chunks)
+    if has("0106"):
+        changes["bwd_dkv_lines"] = False  # 0106's line-ordered add replaces these forms
     if max_block_h is not None:
         changes["bwd_max_block_h"] = max_block_h
     with options(**changes):
@@ -351,6 +376,49 @@ def test_native_backward_dkv_chunks(fakes, monkeypatch, heads, block_h, chunks, 
     assert (bwd[0]["dkv_chunk"], bwd[0]["dkv_direct"]) == want
     # the staged slices are what the whole-block kernel uses; the chunked one ignores them
     assert bwd[0]["split_store"] == (8 if block in (16, 64) else 2)
+
+
+@needs_tilelang
+@needs("0106")
+@pytest.mark.parametrize("heads,block_h", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 64)])
+@pytest.mark.parametrize("lines", [True, False])
+@pytest.mark.parametrize("chunks", [True, False])
+def test_native_backward_dkv_lines(fakes, monkeypatch, heads, block_h, lines, chunks):
+    """0106: by default the native backward adds dKV chunks of 16 columns a warp (64 at 128
+    threads, 128 at 256) from registers into a line-ordered accumulator, at every head block, and
+    builds the postprocess that restores the order; bwd_dkv_lines=False gives 0105's forms,
+    bwd_dkv_chunks=False the whole-block kernels either way. The gradients through the hook are
+    the same in every case (the fake kernels apply the line order the real ones use)."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    query, key, idx = _inputs(512, 131, heads, 256, 512)
+    with options(bwd_dkv_lines=lines, bwd_dkv_chunks=chunks):
+        _run_hook(fakes, query, key, idx, 0.05)
+    grads = (query.grad, key.grad)
+    bwd = [b for b in fakes.builds if b["kind"] == "bwd"]
+    post = [b for b in fakes.builds if b["kind"] == "post"]
+    assert len(bwd) == 1 and len(post) == 1
+    on = lines and chunks
+    assert bwd[0]["dkv_lines"] is on and post[0]["lines"] is on
+    if on:
+        assert bwd[0]["dkv_chunk"] == (64 if block_h == 16 else 128)
+        assert not bwd[0]["dkv_direct"]
+    query2, key2, _ = _inputs(512, 131, heads, 256, 512)
+    with options(bwd_dkv_chunks=False):
+        _run_hook(fakes, query2, key2, idx, 0.05)
+    assert torch.count_nonzero(key.grad) > 0
+    for got, want in ((query.grad, query2.grad), (key.grad, key2.grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_line_order_is_a_permutation_of_4_float_lines():
+    """The test's own line order (above): a bijection of each 16 columns, and a thread's 4 floats
+    (lane group r: columns 2r, 2r + 1, 8 + 2r, 9 + 2r) land on one aligned 16-byte vector."""
+    where = _line_order(512)
+    assert sorted(where.tolist()) == list(range(512))
+    for g in range(0, 512, 16):
+        for r in range(4):
+            cols = [g + 2 * r, g + 2 * r + 1, g + 8 + 2 * r, g + 9 + 2 * r]
+            assert where[cols].tolist() == list(range(g + 4 * r, g + 4 * r + 4))
 
 
 @needs_tilelang

@@ -104,15 +104,20 @@ def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty
     assert torch.count_nonzero(got[1][empty_row]) == 0
 
 
-# 0105: the dKV chunk configurations (64 columns staged at a 16-head block, 128 from registers
-# at a 64-head block) and the whole-block kernels they replace (NativeKernelOptions(
-# bwd_dkv_chunks=False)), each against the FP32 reference.
+# 0105/0106: the dKV add's configurations, each against the FP32 reference: by default (0106)
+# chunks of 16 columns a warp added 4 floats at a time from registers into a line-ordered
+# accumulator; NativeKernelOptions(bwd_dkv_lines=False): 0105's chunks (64 columns staged at a
+# 16-head block, 128 from registers at a 64-head block, whole at 32); bwd_dkv_chunks=False: the
+# whole-block kernels.
+DKV_FORMS = {"lines": {}, "chunks": dict(bwd_dkv_lines=False), "whole": dict(bwd_dkv_chunks=False)}
+
+
 @pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [8, 16, 64, 128])
-@pytest.mark.parametrize("chunks", [True, False])
-def test_native_backward_dkv_chunks_match_fp32_reference(monkeypatch, heads, chunks, topk):
-    native_backward_matches_fp32_reference(monkeypatch, heads, topk, 3 * heads + topk + chunks, 7,
-                                           bwd_dkv_chunks=chunks)
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("form", sorted(DKV_FORMS))
+def test_native_backward_dkv_forms_match_fp32_reference(monkeypatch, heads, form, topk):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk,
+                                           3 * heads + topk + len(form), 7, **DKV_FORMS[form])
 
 
 @pytest.fixture
