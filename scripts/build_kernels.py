@@ -27,11 +27,13 @@ CUDA toolkit directory to be found, see README "Shipped kernels"). The entry hol
 executable.so (the host wrapper with the cubin embedded), params.json, the CUDA source and a
 manifest of hashes; loading it needs the CUDA driver only, no nvcc.
 
-Reproducible: nvcc writes its input file's path and modification time into the cubin's line
-table (-lineinfo), so each compile here runs in a directory named after the source's hash with
-the source's mtime fixed; the tar has sorted members, fixed mtimes and owners. Two builds on one
-machine give the same bytes (a different CUDA install can differ: its headers' mtimes are in the
-line table too).
+Reproducible where TileLang is: nvcc writes its input file's path and modification time into the
+cubin's line table (-lineinfo), so each compile here runs in a directory named after the source's
+hash with the source's mtime fixed, and the tar has sorted members, fixed mtimes and owners. The
+backward, delta and dKV-cast kernels then come out byte for byte the same on one machine. The
+forward kernels do not: TileLang 0.1.15's lowering names and shares their shared-memory buffers
+(AllReduce workspaces, KV halves) differently from run to run, also with PYTHONHASHSEED fixed, so
+their CUDA source and binary differ between builds (their key does not: it hashes the TIR).
 """
 import argparse
 import contextlib
@@ -553,9 +555,11 @@ def main(argv=None):
     ap.add_argument("--check", metavar="CACHE_DIR",
                     help="load every kernel of an unpacked archive without compiling")
     args = ap.parse_args(argv)
-    use_tree(args.tree)
-    if args.check:
+    if args.check:  # the patched tree if there is one, else the installed wheel (a GPU host)
+        if pathlib.Path(args.tree, "megatron", "core").is_dir():
+            use_tree(args.tree)
         return 1 if check(args.check) else 0
+    use_tree(args.tree)
     calls = plan(args.heads, args.routes, args.topk, args.scale, args.sms, args.only)
     if args.plan:
         print(json.dumps(calls, indent=1))
