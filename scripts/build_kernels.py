@@ -51,6 +51,8 @@ import tempfile
 import time
 import types
 
+from pinfile import read_pin  # scripts/pinfile.py: the one pin reader
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 TARGET_ENV = json.dumps(TARGET)  # TILELANG_DEFAULT_TARGET's value
@@ -72,16 +74,6 @@ GETTERS = {
 # upstream's variables that change what the wrappers build: the set is built for their defaults
 BUILD_KNOBS = ("MCORE_DSA_TILELANG_SEQ_BUCKET", "MCORE_DSA_TILELANG_TOPK_BUCKET",
                "MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", "MCORE_DSA_TILELANG_NOPE")
-
-
-def pin():
-    vals = {}
-    for line in (ROOT / "pin.env").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            k, v = line.split("=", 1)
-            vals[k] = v
-    return vals
 
 
 def use_tree(tree):
@@ -407,7 +399,7 @@ def manifest(results, label, args):
                             module=f"{OPS}.{r['module']}", getter=r["getter"], args=r["args"],
                             kwargs=r["kwargs"], used_by=r["used_by"],
                             executable_sha256=files["executable.so"]["sha256"]))
-    p = pin()
+    p = read_pin()
     return dict(
         format=1,
         what="TileLang kernel cache: the GLM-5.3-Flash SparseMLA kernels of a megatron-core build",
@@ -566,7 +558,7 @@ def main(argv=None):
         return 0
     import tilelang
 
-    label = pin()["LOCAL_LABEL"]
+    label = read_pin()["LOCAL_LABEL"]
     name = f"glm53-kernels-{label}-tilelang{tilelang.__version__}-{ARCH_TAG}.tar.xz"
     with tempfile.TemporaryDirectory(prefix="glm53-kernel-cache-") as cache:
         args.cache_dir = cache

@@ -39,6 +39,7 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import series as S  # noqa: E402  (scripts/series.py)
+from pinfile import read_pin  # noqa: E402  (scripts/pinfile.py: the one pin reader)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PIN_KEYS = ("MCORE_VERSION", "MCORE_SDIST_SHA256", "MCORE_GIT_COMMIT")
@@ -68,11 +69,6 @@ def die(msg):
 def env_path(name, default):
     """lib.sh's ${NAME:-default}."""
     return pathlib.Path(os.environ.get(name) or default)
-
-
-def read_pin(path):
-    """The KEY=VALUE lines of pin.env (which lib.sh sources)."""
-    return dict(re.findall(r"^([A-Z_][A-Z0-9_]*)=(.*)$", pathlib.Path(path).read_text(), re.M))
 
 
 def sha256_of(path):

@@ -9,6 +9,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import series as series_py  # noqa: E402  (scripts/series.py: the one series reader)
+from pinfile import read_pin  # noqa: E402  (scripts/pinfile.py: the one pin reader)
 
 
 def script(name, *args, env=None, check=False, cwd=None):
@@ -40,13 +41,8 @@ def series():
 
 
 def pin():
-    vals = {}
-    for line in (ROOT / "pin.env").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            k, v = line.split("=", 1)
-            vals[k] = v
-    return vals
+    """pin.env's values, as scripts/pinfile.py (the one reader) gives them."""
+    return read_pin()
 
 
 def submodule_filled():
