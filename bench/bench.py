@@ -14,10 +14,11 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native        512/2051  the native NoPE kernels, no 576 copies (where the wheel has them)
   native_sched0 512/2051  the same with NativeKernelOptions(schedule=False) (without 0050), 32k/16 heads
   native_recompute 512/2051  the same with NativeKernelOptions(save_output=False) (without 0060:
-                the backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads
+                the backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads;
+                and 32k/8 heads (without 0107: padded heads recompute)
   native_bh32   512/2051  the same with NativeKernelOptions(bwd_max_block_h=32) (without 0100: two
                 32-head backward blocks at 64 heads), 32k/64 heads
-  native_deterministic 512/2051  with wip/0107 applied: NativeKernelOptions(bwd_deterministic=True);
+  native_deterministic 512/2051  with wip/0108 applied: NativeKernelOptions(bwd_deterministic=True);
                 bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
@@ -163,6 +164,18 @@ def native_options(**changes):
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
 
     return tilelang_utils.override_native_kernel_options(**changes)
+
+
+def has_patch_arg(name):
+    """Does the installed wheel's SparseMLA.forward take this argument (0107: out_heads)?"""
+    import inspect
+
+    try:
+        from megatron.core.transformer.experimental_attention_variant.ops import sparse_mla
+    except ImportError:
+        return False
+    return sparse_mla.SparseMLA is not None and name in inspect.signature(
+        sparse_mla.SparseMLA.forward).parameters
 
 
 def has_native_option(name):
@@ -432,10 +445,14 @@ def run(args):
                                                          options=dict(schedule=False)))
                 add("native_recompute", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
                                                             idx, options=dict(save_output=False)))
+            if heads == 8 and L == 32768 and has_patch_arg("out_heads"):
+                # A/B of patch 0107 (the output kept with padded heads)
+                add("native_recompute", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
+                                                            idx, options=dict(save_output=False)))
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
                 add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
                                                        options=dict(bwd_max_block_h=32)))
-            if has_native_option("bwd_deterministic"):  # wip/0107 (issue #21)
+            if has_native_option("bwd_deterministic"):  # wip/0108 (issue #21)
                 add("native_deterministic", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
                     repeat=True))

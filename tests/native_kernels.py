@@ -49,6 +49,13 @@ def round_up(x, m):
     return (x + m - 1) // m * m
 
 
+def _has_forward_arg(name):
+    import inspect
+
+    return sparse_mla.SparseMLA is not None and name in inspect.signature(
+        sparse_mla.SparseMLA.forward).parameters
+
+
 def _has_save_output():
     import inspect
 
@@ -73,6 +80,7 @@ FEATURES = {
     "0106": ("NativeKernelOptions.bwd_dkv_lines",
              lambda: hasattr(tilelang_utils, "NativeKernelOptions")
              and "bwd_dkv_lines" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
+    "0107": ("SparseMLA(out_heads=)", lambda: _has_forward_arg("out_heads")),
 }
 
 

@@ -48,9 +48,11 @@ class ReferenceSparseMLA:
     calls = []
 
     @staticmethod
-    def apply(q, kv, indices, scaling, save_output=False):
-        """save_output (0060): the real SparseMLA keeps out/lse for backward; the result is the same."""
+    def apply(q, kv, indices, scaling, save_output=False, out_heads=None):
+        """save_output (0060): the real SparseMLA keeps out/lse for backward; the result is the same.
+        out_heads (0107, with save_output): only the first out_heads heads of out come back."""
         assert isinstance(save_output, bool)
+        assert out_heads is None or (save_output and 0 < out_heads < q.size(2))
         assert q.dtype == kv.dtype == torch.bfloat16
         width = q.size(-1)
         assert width in (D_QK, D_V) and kv.size(-1) == width, "kernels take width 576 or 512"
@@ -62,6 +64,8 @@ class ReferenceSparseMLA:
         assert q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous()
         ReferenceSparseMLA.calls.append((q.shape, kv.shape, indices.shape, scaling))
         out = sparse_attention_reference(q, kv, indices, scaling).to(q.dtype)
+        if out_heads is not None:
+            out = out[:, :, :out_heads].contiguous()
         return out, None
 
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from native_kernels import has
 from sparse_ref import D_QK, ReferenceSparseMLA, causal_random_indices
 
 from megatron.core.transformer.experimental_attention_variant import dsa_kernels
@@ -37,7 +38,7 @@ class Recorder:
     def apply(self, q, kv, indices, scaling, *save_output):
         self.calls.append(dict(q=q.detach().clone(), kv=kv.detach().clone(),
                                indices=indices.clone(), scaling=scaling, save_output=save_output))
-        return ReferenceSparseMLA.apply(q, kv, indices, scaling)
+        return ReferenceSparseMLA.apply(q, kv, indices, scaling, *save_output)
 
 
 @pytest.fixture
@@ -119,8 +120,12 @@ def test_auto_route_takes_native_kernels_at_every_head_count(recorder, heads):
         tilelang_config(heads), query, key, idx, 0.04, 512) is not None
     call = recorder.calls[0]
     assert (call["q"].size(-1), call["kv"].size(-1), call["indices"].size(-1)) == (512, 512, 2051)
-    # 0060: out/lse kept for backward where the hook's output is the kernel's (no padded heads)
-    assert call["save_output"] == (heads >= 16,)
+    # 0060: out/lse kept for backward where the hook's output is the kernel's (no padded heads);
+    # 0107: with padded heads too, keeping only the caller's heads
+    if has("0107"):
+        assert call["save_output"] == ((True,) if heads >= 16 else (True, heads))
+    else:
+        assert call["save_output"] == (heads >= 16,)
 
 
 def _declines(recorder, query, key, idx, v_channels=512, heads=None):

@@ -363,3 +363,17 @@ def test_native_bwd_dkv_lines_adds_4_floats_from_registers(sm90, heads, threads)
     plain, _, _ = sm90("post", bwd_mod.postprocess, D_V, 0, 1)
     post, _, _ = sm90("post-lines", bwd_mod.postprocess, D_V, 0, 1, lines=True)
     assert post != plain
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0107")
+def test_delta_kernel_builds_for_the_callers_heads(sm90):
+    """0107: with padded heads SparseMLA computes delta on the caller's heads only (8 a GPU at
+    GLM's tensor-parallel sizes), a head count no other kernel is built for: it builds for sm_90
+    like the 16-head one, the heads being its grid's first axis."""
+    src8, _, _ = sm90("pre-8", bwd_mod.preprocess, 8, D_V)
+    src16, _, _ = sm90("pre-16", bwd_mod.preprocess, 16, D_V)
+    # Delta[b, s, h] rows are 8 heads long where the 16-head kernel's are 16
+    assert "* (int64_t)8)) + ((int64_t)((int)blockIdx.x)))] = delta" in src8
+    assert "* (int64_t)16)) + ((int64_t)((int)blockIdx.x)))] = delta" in src16

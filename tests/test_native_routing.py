@@ -129,7 +129,8 @@ class KernelFakes:
             self._check_topk(topk, indices, topk_dynamic)
             assert q.size(-1) == kv.size(-1) == dkv.size(-1) == D + D_tail
             assert dkv.dtype == torch.float32
-            self.calls.append(dict(kind="bwd", q=q, kv=kv, indices=indices, dkv=dkv))
+            self.calls.append(dict(kind="bwd", q=q, kv=kv, indices=indices, dkv=dkv, do=do,
+                                   delta=delta))
             with torch.enable_grad():
                 qf = q.detach().float().requires_grad_()
                 kf = kv.detach().float().requires_grad_()
@@ -487,8 +488,10 @@ def test_native_512_small_head_count_pads_heads_only(fakes):
     assert fwd_call["kv"].data_ptr() == key.data_ptr()
     assert fwd_call["indices"].data_ptr() == idx.data_ptr()
     assert query.grad.shape == query.shape
-    # padded heads: the hook's output is a copy, so SparseMLA recomputes instead of saving
-    assert [c["kind"] for c in fakes.calls] == ["fwd", "fwd", "bwd"]
+    # padded heads: SparseMLA keeps the caller's heads of the output (0107); before 0107 the
+    # hook's output was a copy, so SparseMLA recomputed instead of saving
+    assert [c["kind"] for c in fakes.calls] == (NATIVE_CALLS if has("0107") else
+                                                 ["fwd", "fwd", "bwd"])
 
 
 def _with_empty_rows(idx, rows):
@@ -499,12 +502,14 @@ def _with_empty_rows(idx, rows):
 
 @needs_tilelang
 @needs("0060")
-def test_native_save_output_matches_recompute(fakes, monkeypatch):
+@pytest.mark.parametrize("heads", [16, pytest.param(8, marks=needs("0107"))])
+def test_native_save_output_matches_recompute(fakes, monkeypatch, heads):
     """0060: the native route keeps out/lse for backward (one forward kernel per fwd+bwd) and
     gives what upstream's recompute gives (NativeKernelOptions(save_output=False)), including zero
-    output and gradients for rows with no valid index, which it no longer masks itself."""
+    output and gradients for rows with no valid index, which it no longer masks itself. 0107: with
+    padded heads (8 query heads run as 16) too, keeping only the caller's heads."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
-    heads, sq, sk, topk, scale = 16, 256, 512, 131, 512 ** -0.5
+    sq, sk, topk, scale = 256, 512, 131, 512 ** -0.5
     empty = [0, 5, 200]
     results = {}
     for save in (True, False):
@@ -515,6 +520,12 @@ def test_native_save_output_matches_recompute(fakes, monkeypatch):
             out, grad, _ = _run_hook(fakes, query, key, idx, scale)
         kinds = [c["kind"] for c in fakes.calls]
         assert kinds == (["fwd", "bwd"] if save else ["fwd", "fwd", "bwd"])
+        bwd = fakes.calls[-1]
+        assert bwd["do"].size(2) == bwd["delta"].size(2) == max(heads, 16)
+        if save and heads < 16:  # the padded heads get zero dO and zero delta
+            assert torch.count_nonzero(bwd["do"][:, :, heads:]) == 0
+            assert torch.count_nonzero(bwd["delta"][:, :, heads:]) == 0
+            assert torch.count_nonzero(bwd["delta"][:, :, :heads]) > 0
         results[save] = (out.detach(), query.grad, key.grad)
     for saved, recomputed in zip(results[True], results[False]):
         assert torch.equal(saved, recomputed)
