@@ -115,7 +115,8 @@ def test_plan_is_the_glm_set(glm_plan):
     """Every (route, query heads) gets its forward, delta, backward and dKV-cast kernel, as the
     wrappers build them: native 512 (top-k 2051 at run time; the warp-specialized forward at 16
     and 32 kernel heads, persistent over an H200's 132 SMs at 16) and #7617's 576 (top-k padded to
-    2112). 8 query heads run as 16: the same kernels."""
+    2112). 8 query heads run as 16: the same kernels, but for the native route's delta (0107: on
+    the caller's 8 heads)."""
     _, calls = glm_plan
     uses = {}
     for c in calls:
@@ -142,11 +143,14 @@ def test_plan_is_the_glm_set(glm_plan):
                 want = (0, 2080) if route == "native" else (64, 2112)
                 assert (a["tail_dim"], a["topk"]) == want
             elif c["kind"] == "pre":
-                assert c["args"] == [kernel_heads, 512]
+                # 0107: native with padded heads computes delta on the caller's heads only
+                pre_heads = heads if route == "native" and has("0107") else kernel_heads
+                assert c["args"] == [pre_heads, 512]
             else:
                 assert c["args"] == [512, 0 if route == "native" else 64, 1]
-    # 16, 32 and 64 kernel heads x (fwd, pre, bwd) x 2 routes, pre shared, + 2 dKV casts
-    assert len(calls) == 17
+    # 16, 32 and 64 kernel heads x (fwd, pre, bwd) x 2 routes, pre shared, + 2 dKV casts; 0107:
+    # + the native route's 8-head delta
+    assert len(calls) == (18 if has("0107") else 17)
 
 
 @needs_tilelang
