@@ -18,7 +18,7 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 and 32k/8 heads (without 0107: padded heads recompute)
   native_bh32   512/2051  the same with NativeKernelOptions(bwd_max_block_h=32) (without 0100: two
                 32-head backward blocks at 64 heads), 32k/64 heads
-  native_deterministic 512/2051  with wip/0108 applied: NativeKernelOptions(bwd_deterministic=True);
+  native_deterministic 512/2051  with wip/0109 applied: NativeKernelOptions(bwd_deterministic=True);
                 bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
@@ -452,7 +452,7 @@ def run(args):
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
                 add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
                                                        options=dict(bwd_max_block_h=32)))
-            if has_native_option("bwd_deterministic"):  # wip/0108 (issue #21)
+            if has_native_option("bwd_deterministic"):  # wip/0109 (issue #21)
                 add("native_deterministic", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
                     repeat=True))
