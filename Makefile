@@ -34,10 +34,11 @@ wheel: tree
 
 # The GLM SparseMLA kernels compiled for sm_90a on this machine (no GPU; nvcc and TileLang), as a
 # TileLang kernel-cache archive beside the wheels (README "Shipped kernels"). SCALES: the softmax
-# scales to build for (default 512**-0.5); SMS: the GPU's SM count (default 132, an H200); JOBS.
+# scales to build for (default 512**-0.5); HEADS: the query heads per GPU (default 8 16 32 64);
+# SMS: the GPU's SM count (default 132, an H200); JOBS.
 kernels: tree
-	$(PY) scripts/build_kernels.py $(if $(SCALES),--scale $(SCALES)) $(if $(SMS),--sms $(SMS)) \
-	  $(if $(JOBS),--jobs $(JOBS))
+	$(PY) scripts/build_kernels.py $(if $(SCALES),--scale $(SCALES)) $(if $(HEADS),--heads $(HEADS)) \
+	  $(if $(SMS),--sms $(SMS)) $(if $(JOBS),--jobs $(JOBS))
 
 test: wheel
 	$(PYTEST) tests

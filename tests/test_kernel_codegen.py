@@ -342,7 +342,7 @@ def test_native_bwd_dkv_chunks_shrink_the_accumulator(sm90):
 @needs_tilelang
 @needs_nvcc
 @needs("0106")
-@pytest.mark.parametrize("heads,threads", [(16, 128), (64, 256)])
+@pytest.mark.parametrize("heads,threads", [(16, 128), (32, 256), (64, 256)])
 def test_native_bwd_dkv_lines_adds_4_floats_from_registers(sm90, heads, threads):
     """0106: the line-ordered dKV add (16 columns a warp) reorders each chunk in registers and
     adds it with 4-float atomics straight from them: no shared stage for dKV (less shared memory

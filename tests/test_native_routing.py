@@ -59,6 +59,28 @@ def _lse_log2(q, kv, indices, scale):
     return lse.permute(0, 2, 1).contiguous()
 
 
+def _bwd_from_lse_delta(q, kv, do, indices, lse, delta, scale):
+    """The backward kernel's contract in fp32 from the lse (log2) and delta it is given, not
+    recomputed ones: P = 2^(scale log2(e) q.k - lse) over the valid indices, dS = P (dO.v -
+    delta) scale; dq = dS k, dk = dS^T q (+ P^T dO in the value columns). Returns dq [b,s,h,W]
+    and dk [b,sk,1,W]."""
+    qf, kf, dof = q.float(), kv[:, :, 0].float(), do.float()
+    b, sk, w = kf.shape
+    idx = indices[:, :, 0].long()  # [b, s, K]
+    valid = (idx >= 0) & (idx < sk)
+    rows = idx.clamp(0, sk - 1) + (torch.arange(b) * sk).view(b, 1, 1)
+    kg = kf.reshape(b * sk, w)[rows]  # [b, s, K, W]
+    p = torch.exp2(torch.einsum("bshw,bskw->bshk", qf, kg) * scale * LOG2E - lse.unsqueeze(-1))
+    p = p * valid.unsqueeze(2)
+    dp = torch.einsum("bshd,bskd->bshk", dof, kg[..., :D_V])
+    ds = p * (dp - delta.float().unsqueeze(-1)) * scale
+    dq = torch.einsum("bshk,bskw->bshw", ds, kg)
+    dkg = torch.einsum("bshk,bshw->bskw", ds, qf)
+    dkg[..., :D_V] += torch.einsum("bshk,bshd->bskd", p, dof)
+    dk = torch.zeros(b * sk, w).index_add_(0, rows[valid], dkg[valid])
+    return dq, dk.view(b, sk, 1, w)
+
+
 def _line_order(width):
     """0106's line order, written out independently of the kernel module: within each 16
     columns, the MMA fragment's column pairs (2r, 2r + 1) and (8 + 2r, 9 + 2r) of lane group r
@@ -131,11 +153,8 @@ class KernelFakes:
             assert dkv.dtype == torch.float32
             self.calls.append(dict(kind="bwd", q=q, kv=kv, indices=indices, dkv=dkv, do=do,
                                    delta=delta))
-            with torch.enable_grad():
-                qf = q.detach().float().requires_grad_()
-                kf = kv.detach().float().requires_grad_()
-                out = _attend(qf, kf, indices, sm_scale)
-                dq, dk = torch.autograd.grad(out, (qf, kf), do.float())
+            # from the lse and delta the wrappers hand over (0107 pads delta for padded heads)
+            dq, dk = _bwd_from_lse_delta(q, kv, do, indices, lse, delta, sm_scale)
             # 0106: a kernel built with dkv_lines keeps dKV in line order (the postprocess built
             # with lines=True restores it)
             dkv += _to_lines(dk) if extra.get("dkv_lines") else dk
@@ -411,6 +430,17 @@ def test_native_backward_dkv_lines(fakes, monkeypatch, heads, block_h, lines, ch
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@needs("0106")
+def test_kernel_line_column_is_the_tests_line_order():
+    """0106: the kernel module's own line order (which the backward's add and its postprocess
+    both use) is the one written out here; the fakes above apply this one."""
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_bwd as bwd_mod,
+    )
+
+    assert [bwd_mod._line_column(d) for d in range(512)] == _line_order(512).tolist()
+
+
 def test_line_order_is_a_permutation_of_4_float_lines():
     """The test's own line order (above): a bijection of each 16 columns, and a thread's 4 floats
     (lane group r: columns 2r, 2r + 1, 8 + 2r, 9 + 2r) land on one aligned 16-byte vector."""
@@ -535,6 +565,32 @@ def test_native_save_output_matches_recompute(fakes, monkeypatch, heads):
     ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
     for got, ref in zip(results[True], (ref_out, ref_dq, ref_dk)):
         assert (got.float() - ref).norm() / ref.norm() < 2e-2
+
+
+@needs_tilelang
+@needs("0107")
+@pytest.mark.parametrize("heads", [8, 16])
+def test_native_saved_output_is_the_callers(fakes, monkeypatch, heads):
+    """0060/0107: the output SparseMLA keeps for backward is the one the hook hands back (the same
+    storage, the caller's heads only), so keeping it costs no memory, also with padded heads."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    query, key, idx = _inputs(512, 131, heads, 256, 512)
+    out = dsa_kernels.run_fused_absorbed_sparse_attention(_config(heads), query, key, idx, 0.05,
+                                                          D_V)
+    nodes, seen = [out.grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "SparseMLABackward":
+            break
+        nodes.extend(n for n, _ in node.next_functions)
+    else:
+        pytest.fail("no SparseMLA node behind the hook's output")
+    kept = node.saved_tensors[3]
+    assert kept.shape == (1, 256, heads, D_V)
+    assert kept.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
 
 
 @needs_tilelang
