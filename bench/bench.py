@@ -440,13 +440,11 @@ def run(args):
         add("padded", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx))
         if native:
             add("native", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx))
-            if heads == 16 and L == 32768:  # A/B of patches 0050 (schedule) and 0060 (saved out)
+            if heads == 16 and L == 32768:  # A/B of patch 0050 (schedule)
                 add("native_sched0", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
                                                          options=dict(schedule=False)))
-                add("native_recompute", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
-                                                            idx, options=dict(save_output=False)))
-            if heads == 8 and L == 32768 and has_patch_arg("out_heads"):
-                # A/B of patch 0107 (the output kept with padded heads)
+            if L == 32768 and (heads == 16 or (heads == 8 and has_patch_arg("out_heads"))):
+                # A/B of patches 0060 (saved output) and, at 8 heads, 0107 (with padded heads)
                 add("native_recompute", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
                                                             idx, options=dict(save_output=False)))
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)

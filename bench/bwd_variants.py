@@ -69,7 +69,7 @@ def chunk_variants(heads):
     for c in (64, 128):
         v[f"native_c{c}"] = dict(base, dkv_chunk=c)
         v[f"native_c{c}d"] = dict(base, dkv_chunk=c, dkv_direct=True)
-    # wip/0106, where applied: 4-float adds from registers into a line-ordered accumulator (16
+    # 0106 (wheels from .15): 4-float adds from registers into a line-ordered accumulator (16
     # columns a warp)
     import inspect
 

@@ -56,17 +56,10 @@ def _has_forward_arg(name):
         sparse_mla.SparseMLA.forward).parameters
 
 
-def _has_save_output():
-    import inspect
-
-    return sparse_mla.SparseMLA is not None and "save_output" in inspect.signature(
-        sparse_mla.SparseMLA.forward).parameters
-
-
 # patch number -> (what it adds, is it in the tree)
 FEATURES = {
     "0050": ("NativeKernelOptions.schedule", lambda: hasattr(tilelang_utils, "NativeKernelOptions")),
-    "0060": ("SparseMLA(save_output=)", _has_save_output),
+    "0060": ("SparseMLA(save_output=)", lambda: _has_forward_arg("save_output")),
     "0070": ("the warp-specialized native forward",
              lambda: hasattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws_kernel")),
     "0080": ("_index_in_kv", lambda: hasattr(tilelang_utils, "_index_in_kv")),
