@@ -94,15 +94,31 @@ def _fake_kernel(kind, args, kwargs):
     if kind in ("fwd", "fwd_ws"):
         dim = kwargs["dim"] if "dim" in kwargs else args[1]  # both take (heads, dim, ...)
 
-        def kernel(q, kv, indices):
+        def kernel(q, kv, indices, *scale):  # scale: a kernel built with runtime_scale (0108)
             return (q.new_zeros(q.shape[:-1] + (dim,)),
                     torch.zeros(q.shape[:-1], dtype=torch.float32))
         return kernel
     if kind == "pre":
         return lambda o, do: torch.zeros(o.shape[:-1], dtype=torch.float32)
-    if kind == "bwd":
-        return lambda q, kv, do, indices, lse, delta, dkv: torch.zeros_like(q)
+    if kind == "bwd":  # (q, kv, do, indices, lse, delta, [scale,] dkv)
+        return lambda q, kv, do, indices, lse, delta, *dkv: torch.zeros_like(q)
     return lambda dkv: dkv.to(torch.bfloat16)  # post
+
+
+def _without_runtime_scale(getter, args, kwargs):
+    """A getter call with runtime_scale (0108: the kernel takes the softmax scale at each call)
+    builds the same kernel whatever the scale: record it with sm_scale None, as the getter keys it,
+    so every scale of the plan shares that kernel."""
+    if getter is None or not kwargs.get("runtime_scale"):
+        return args, kwargs
+    import inspect
+
+    args, kwargs = list(args), dict(kwargs)
+    if "sm_scale" in kwargs:
+        kwargs["sm_scale"] = None
+    else:
+        args[list(inspect.signature(getter).parameters).index("sm_scale")] = None
+    return args, kwargs
 
 
 def plan(heads=(8, 16, 32, 64), routes=("native", "padded"), topk=GLM_TOPK, scales=(GLM_SCALE,),
@@ -119,13 +135,14 @@ def plan(heads=(8, 16, 32, 64), routes=("native", "padded"), topk=GLM_TOPK, scal
     mods = {m: importlib.import_module(f"{OPS}.{m}") for m, _ in GETTERS}
     calls, order = {}, []
     saved_env = {k: os.environ.pop(k, None) for k in BUILD_KNOBS + ("MCORE_DSA_REQUIRE_FUSED",)}
-    saved = []
+    saved, real = [], {}
     try:
         for (m, name), kind in GETTERS.items():
             if not hasattr(mods[m], name):
                 continue  # a tree without that kernel (e.g. no warp-specialized forward)
 
             def recorder(*args, _m=m, _name=name, _kind=kind, **kwargs):
+                args, kwargs = _without_runtime_scale(real[_m, _name], args, kwargs)
                 key = json.dumps([_m, _name, args, sorted(kwargs.items())])
                 if key not in calls:
                     calls[key] = dict(module=_m, getter=_name, kind=_kind, args=list(args),
@@ -136,7 +153,8 @@ def plan(heads=(8, 16, 32, 64), routes=("native", "padded"), topk=GLM_TOPK, scal
                     calls[key]["used_by"].append(use)
                 return _fake_kernel(_kind, args, kwargs)
 
-            saved.append((mods[m], name, getattr(mods[m], name)))
+            real[m, name] = getattr(mods[m], name)
+            saved.append((mods[m], name, real[m, name]))
             setattr(mods[m], name, recorder)
         saved.append((torch.cuda, "get_device_properties", torch.cuda.get_device_properties))
         torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(

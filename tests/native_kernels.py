@@ -49,6 +49,13 @@ def round_up(x, m):
     return (x + m - 1) // m * m
 
 
+def _has_arg(jit_fn, name):
+    import inspect
+
+    fn = getattr(jit_fn, "func", jit_fn)  # tilelang_jit keeps the builder in .func
+    return HAVE_TILELANG and name in inspect.signature(fn).parameters
+
+
 def _has_forward_arg(name):
     import inspect
 
@@ -74,6 +81,7 @@ FEATURES = {
              lambda: hasattr(tilelang_utils, "NativeKernelOptions")
              and "bwd_dkv_lines" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
     "0107": ("SparseMLA(out_heads=)", lambda: _has_forward_arg("out_heads")),
+    "0108": ("the kernels' runtime_scale", lambda: _has_arg(bwd_mod.bwd, "runtime_scale")),
 }
 
 

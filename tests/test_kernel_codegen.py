@@ -377,3 +377,31 @@ def test_delta_kernel_builds_for_the_callers_heads(sm90):
     # Delta[b, s, h] rows are 8 heads long where the 16-head kernel's are 16
     assert "* (int64_t)8)) + ((int64_t)((int)blockIdx.x)))] = delta" in src8
     assert "* (int64_t)16)) + ((int64_t)((int)blockIdx.x)))] = delta" in src16
+
+
+def _scalar_params(src, name):
+    """The non-pointer float parameters of kernel `name` in TileLang's CUDA source."""
+    sig = re.search(rf"__global__ void (?:__launch_bounds__\([^)]*\) )?{name}\(([^)]*)\)", src)
+    assert sig, f"no kernel {name}"
+    return [p.split()[-1] for p in sig.group(1).split(",") if p.split()[0] == "float"]
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0108")
+def test_runtime_scale_kernels_take_the_scale_as_an_argument(sm90):
+    """0108: built with runtime_scale the native backward and the 64-head forward take one float
+    argument (the softmax scale) and fold no scale into the code; the 576 kernels keep theirs."""
+    btopk = _round_up(2051, BWD_BLOCK)
+    rt_bwd, _, _ = _bwd(sm90, 16, 0, btopk, True, max_block_h=16, threads=128,
+                        skip_invalid_gather=True, split_store=8, dkv_chunk=64, dkv_lines=True,
+                        runtime_scale=True)
+    rt_fwd, _, _ = _fwd(sm90, 64, 0, _round_up(2051, BLOCK_I), True, skip_invalid_gather=True,
+                        runtime_scale=True)
+    tail_fwd, _, _ = _fwd(sm90, 16, TAIL, 2048, False)
+    assert len(_scalar_params(rt_bwd, "sparse_mla_bwd_kernel_kernel")) == 1
+    assert len(_scalar_params(rt_fwd, "main_kernel")) == 1
+    assert _scalar_params(tail_fwd, "main_kernel") == []
+    # the argument is multiplied by log2(e) in the kernel
+    for src in (rt_bwd, rt_fwd):
+        assert "0x1.7154764ee6c2fp+0f" in src  # log2(e), applied to the argument in the kernel

@@ -19,7 +19,7 @@ import tarfile
 
 import pytest
 
-from native_kernels import has, needs_nvcc, needs_tilelang
+from native_kernels import has, needs, needs_nvcc, needs_tilelang
 from shell import ROOT, pin
 
 import megatron.core
@@ -151,6 +151,33 @@ def test_plan_is_the_glm_set(glm_plan):
     # 16, 32 and 64 kernel heads x (fwd, pre, bwd) x 2 routes, pre shared, + 2 dKV casts; 0107:
     # + the native route's 8-head delta
     assert len(calls) == (18 if has("0107") else 17)
+
+
+@needs_tilelang
+@needs("0108")
+def test_native_kernels_serve_every_softmax_scale(glm_plan):
+    """0108: the native kernels take the softmax scale at each call, so a set built for two
+    scales holds each native kernel once (recorded with sm_scale None, as its getter keys it); the
+    576 kernels are built per scale."""
+    _, calls = glm_plan
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), "--tree", str(TREE),
+                           "--plan", "--scale", str(512 ** -0.5), "0.1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads(proc.stdout)
+
+    def native(cs):
+        return [c for c in cs if all(u["route"] == "native" for u in c["used_by"])]
+
+    def strip(c):
+        return {k: v for k, v in c.items() if k != "used_by"}
+
+    assert [strip(c) for c in native(two)] == [strip(c) for c in native(calls)]
+    for c in native(two):
+        if c["kind"] in ("fwd", "fwd_ws", "bwd"):
+            assert {u["scale"] for u in c["used_by"]} == {512 ** -0.5, 0.1}
+    # the 576 route's forward and backward at 16, 32 and 64 kernel heads, once more
+    assert len(two) == len(calls) + 6
 
 
 @needs_tilelang

@@ -5,6 +5,7 @@ back 512 wide; width 576 takes the old path (RoPE-tail kernels, indices padded t
 64). The build arguments each head count gets (0050's schedule, 0070's warp-specialized forward)
 and the A/B options of NativeKernelOptions. The generated code itself: test_kernel_codegen.py.
 """
+import collections
 import types
 
 import pytest
@@ -120,18 +121,25 @@ class KernelFakes:
         self.builds.append(dict(kind="fwd", heads=heads, dim=dim, tail_dim=tail_dim, topk=topk,
                                 topk_dynamic=topk_dynamic, threads=threads, **extra))
 
-        def kernel(q, kv, indices):
+        runtime_scale = extra.get("runtime_scale", False)
+
+        def kernel(q, kv, indices, *scale):
             self._check_topk(topk, indices, topk_dynamic)
             assert q.size(-1) == kv.size(-1) == dim + tail_dim
-            self.calls.append(dict(kind="fwd", q=q, kv=kv, indices=indices))
-            out = _attend(q, kv, indices, sm_scale).to(q.dtype)
-            return out, _lse_log2(q, kv, indices, sm_scale)
+            # 0108: a kernel built with runtime_scale takes the scale at each call (and only
+            # then); the fake computes with that one, not the one the getter saw
+            assert len(scale) == (1 if runtime_scale else 0)
+            s = scale[0] if runtime_scale else sm_scale
+            self.calls.append(dict(kind="fwd", q=q, kv=kv, indices=indices, scale=s))
+            out = _attend(q, kv, indices, s).to(q.dtype)
+            return out, _lse_log2(q, kv, indices, s)
 
         return kernel
 
-    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers, qk_chains=4, ctas=0):
+    def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers, qk_chains=4, ctas=0,
+                   runtime_scale=False):
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
-                              topk_dynamic=True)
+                              topk_dynamic=True, runtime_scale=runtime_scale)
         self.builds[-1].update(kind="fwd_ws", num_buffers=num_buffers, qk_chains=qk_chains,
                                ctas=ctas)
         return kernel
@@ -147,14 +155,20 @@ class KernelFakes:
         self.builds.append(dict(kind="bwd", heads=H, dim=D, tail_dim=D_tail, topk=topk,
                                 topk_dynamic=topk_dynamic, max_block_h=max_block_h, **extra))
 
-        def kernel(q, kv, do, indices, lse, delta, dkv):
+        runtime_scale = extra.get("runtime_scale", False)
+
+        def kernel(q, kv, do, indices, lse, delta, *rest):
+            # 0108: runtime_scale puts the scale before dkv
+            assert len(rest) == (2 if runtime_scale else 1)
+            s = rest[0] if runtime_scale else sm_scale
+            dkv = rest[-1]
             self._check_topk(topk, indices, topk_dynamic)
             assert q.size(-1) == kv.size(-1) == dkv.size(-1) == D + D_tail
             assert dkv.dtype == torch.float32
             self.calls.append(dict(kind="bwd", q=q, kv=kv, indices=indices, dkv=dkv, do=do,
-                                   delta=delta))
+                                   delta=delta, scale=s))
             # from the lse and delta the wrappers hand over (0107 pads delta for padded heads)
-            dq, dk = _bwd_from_lse_delta(q, kv, do, indices, lse, delta, sm_scale)
+            dq, dk = _bwd_from_lse_delta(q, kv, do, indices, lse, delta, s)
             # 0106: a kernel built with dkv_lines keeps dKV in line order (the postprocess built
             # with lines=True restores it)
             dkv += _to_lines(dk) if extra.get("dkv_lines") else dk
@@ -450,6 +464,46 @@ def test_line_order_is_a_permutation_of_4_float_lines():
         for r in range(4):
             cols = [g + 2 * r, g + 2 * r + 1, g + 8 + 2 * r, g + 9 + 2 * r]
             assert where[cols].tolist() == list(range(g + 4 * r, g + 4 * r + 4))
+
+
+@needs_tilelang
+@needs("0108")
+@pytest.mark.parametrize("runtime", [True, False])
+def test_runtime_scale_kernels_are_one_build_for_every_scale(monkeypatch, runtime):
+    """0108: a getter asked for a runtime-scale kernel builds it once, with no scale, whatever
+    scale it is given (the kernel takes it at each call); otherwise once per scale, with it."""
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_bwd as bwd_mod,
+        tilelang_sparse_mla_fwd as fwd_mod,
+    )
+
+    built = []
+
+    def builder(kind):
+        def build(*args, **kwargs):
+            built.append((kind, args, kwargs))
+            return object()
+
+        return build
+
+    for mod, name in ((fwd_mod, "sparse_mla_fwd"), (fwd_mod, "sparse_mla_fwd_nope_ws"),
+                      (bwd_mod, "bwd")):
+        monkeypatch.setattr(mod, name, builder(name))
+    for mod, cache in ((fwd_mod, "_tilelang_sparse_mla_fwd_kernel_cache"),
+                       (fwd_mod, "_tilelang_sparse_mla_fwd_ws_kernel_cache"),
+                       (bwd_mod, "_tilelang_sparse_mla_bwd_kernel_cache")):
+        monkeypatch.setattr(mod, cache, collections.OrderedDict())  # empty, restored after
+    for scale in (512 ** -0.5, 0.1, 0.1):
+        fwd_mod._get_sparse_mla_fwd_kernel(64, 512, 0, 2112, 1, scale, 64, 2, 256,
+                                           topk_dynamic=True, runtime_scale=runtime)
+        fwd_mod._get_sparse_mla_fwd_nope_ws_kernel(16, 512, 2112, scale, 64, 3, 4, 132,
+                                                   runtime_scale=runtime)
+        bwd_mod._get_bwd_kernel(16, 512, 0, 2080, 1, scale, 16, True, runtime_scale=runtime)
+    assert len(built) == (3 if runtime else 6)
+    for kind, args, kwargs in built:
+        assert kwargs["runtime_scale"] is runtime
+        scale = kwargs.get("sm_scale", args[3] if kind == "sparse_mla_fwd_nope_ws" else args[5])
+        assert (scale is None) == runtime
 
 
 @needs_tilelang

@@ -14,7 +14,7 @@ from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils
 from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
-SCALE = 512 ** -0.5  # one scale for every case: the kernel cache is keyed by it
+SCALE = 512 ** -0.5  # the default scale of every case (0108 also runs others)
 DEV = "cuda"
 
 
@@ -278,3 +278,29 @@ def test_check_indices_raises_before_any_kernel_runs(monkeypatch):
     idx[0, 100, 3] = 1024
     with pytest.raises(ValueError, match=r"topk_indices\[0, 100, 3\] = 1024"):
         hook(q, k, idx, do)
+
+
+# 0108: the native kernels take the softmax scale at each call: two scales, one build of each
+# kernel, both against the FP32 reference.
+@pytest.mark.parametrize("heads", [16, 32, 64])
+def test_native_kernels_take_the_scale_at_each_call(monkeypatch, heads):
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_bwd as bwd_mod,
+        tilelang_sparse_mla_fwd as fwd_mod,
+    )
+
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    caches = (fwd_mod._tilelang_sparse_mla_fwd_kernel_cache,
+              fwd_mod._tilelang_sparse_mla_fwd_ws_kernel_cache,
+              bwd_mod._tilelang_sparse_mla_bwd_kernel_cache)
+    q, k, do, idx = make(200, heads, 512, 2051, seed=heads + 11)
+    sizes = None
+    for scale in (SCALE, 0.1, 0.02):
+        got = run_fused(q, k, idx, do, scale)
+        ref = run_reference(q, k, idx, do, scale)
+        for name, a, b in zip(("out", "dq", "dk"), got, ref):
+            err = rel_l2(a, b)
+            assert err < TOL, f"scale {scale}, {name}: relative L2 error {err:.2e}"
+        if sizes is None:
+            sizes = [len(c) for c in caches]
+        assert [len(c) for c in caches] == sizes, "a scale built another kernel"
