@@ -100,8 +100,8 @@ def _fake_kernel(kind, args, kwargs):
         return kernel
     if kind == "pre":
         return lambda o, do: torch.zeros(o.shape[:-1], dtype=torch.float32)
-    if kind == "bwd":  # (q, kv, do, indices, lse, delta, [scale,] dkv)
-        return lambda q, kv, do, indices, lse, delta, *dkv: torch.zeros_like(q)
+    if kind == "bwd":  # (q, kv, do, indices, lse, delta, dkv[, scale])
+        return lambda q, kv, do, indices, lse, delta, dkv, *scale: torch.zeros_like(q)
     return lambda dkv: dkv.to(torch.bfloat16)  # post
 
 

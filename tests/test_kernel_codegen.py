@@ -405,3 +405,28 @@ def test_runtime_scale_kernels_take_the_scale_as_an_argument(sm90):
     # the argument is multiplied by log2(e) in the kernel
     for src in (rt_bwd, rt_fwd):
         assert "0x1.7154764ee6c2fp+0f" in src  # log2(e), applied to the argument in the kernel
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0108")
+def test_runtime_and_build_time_scale_kernels_both_return_their_outputs(sm90):
+    """0108: one process builds a kernel with the runtime scale, then the same builder without it
+    (the native route, then a 576 or an A/B kernel): each returns its own outputs. TileLang's
+    adapter rewrites a negative out_idx in place to the first build's positions; with the scale
+    argument before the outputs the second build failed (GPU run 16a)."""
+    cases = (
+        (fwd_mod.sparse_mla_fwd, (16, D_V, 0, 128, 1, None),
+         dict(block_I=BLOCK_I, num_stages=FWD_STAGES, threads=256, topk_dynamic=True,
+              skip_invalid_gather=True), ["Output_handle", "Lse_handle"]),
+        (bwd_mod.bwd, (16, D_V, 0, 128, 1, None),
+         dict(max_block_h=16, topk_dynamic=True, threads=128, skip_invalid_gather=True),
+         ["dQ_handle"]),
+    )
+    for jit_fn, args, kwargs, outputs in cases:
+        params = {}
+        for runtime in (True, False):  # in this order: the first build sets the decorator's list
+            kernel = jit_fn.compile(*args, runtime_scale=runtime, **kwargs)
+            names = params[runtime] = [p.name for p in kernel.prim_func.params]
+            assert [names[i] for i in kernel.adapter.result_idx] == outputs, (jit_fn, runtime)
+        assert params[True][:-1] == params[False]  # the scale is the last argument

@@ -158,10 +158,10 @@ class KernelFakes:
         runtime_scale = extra.get("runtime_scale", False)
 
         def kernel(q, kv, do, indices, lse, delta, *rest):
-            # 0108: runtime_scale puts the scale before dkv
+            # 0108: runtime_scale adds the scale after dkv (the last argument)
             assert len(rest) == (2 if runtime_scale else 1)
-            s = rest[0] if runtime_scale else sm_scale
-            dkv = rest[-1]
+            s = rest[1] if runtime_scale else sm_scale
+            dkv = rest[0]
             self._check_topk(topk, indices, topk_dynamic)
             assert q.size(-1) == kv.size(-1) == dkv.size(-1) == D + D_tail
             assert dkv.dtype == torch.float32
