@@ -269,11 +269,19 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
 
 
 COLD_CALL = r"""
-import os, sys, time, torch
+import os, sys, time
+t0 = time.perf_counter()
+import torch
+torch.zeros(1, device="cuda")
+t1 = time.perf_counter()
+import tilelang
+t2 = time.perf_counter()
+import megatron.core.transformer.experimental_attention_variant.ops.tilelang_dsa
+t3 = time.perf_counter()
 sys.path.insert(0, sys.argv[1])
 from glm53_doctor import fused_call
-t0 = time.perf_counter()
 status, text = fused_call(heads=16, tokens=4096)
+print(f"setup cuda_s={t1 - t0:.3f} tilelang_import_s={t2 - t1:.3f} mcore_import_s={t3 - t2:.3f}")
 print(status, round(time.perf_counter() - t0, 3), text)
 """
 
@@ -311,6 +319,8 @@ def first_call_cold(archive=None, runner=subprocess.run):
         if fused:
             row["fused_s"] = float(fused.group(1))  # the doctor's own timer: the call alone
         row["compiled"] = (proc.stdout + proc.stderr).count("TileLang begins to compile kernel")
+        # what the process spent before the call: CUDA context, importing TileLang and the ops
+        row.update((k, float(v)) for k, v in re.findall(r"(\w+_s)=([0-9.]+)", proc.stdout))
     else:
         row.update(status="error", msg=(proc.stdout + proc.stderr)[-500:])
     print(json.dumps(row), flush=True)

@@ -133,7 +133,8 @@ def test_first_call_shipped_unpacks_the_archive_and_hides_nvcc(tmp_path, monkeyp
 
     def runner(cmd, env, **kw):
         seen.update(env=env, files=sorted(os.listdir(env["TILELANG_CACHE_DIR"])))
-        out = ("ok 3.25 tilelang backend, NoPE route native, 16 heads, 4096 tokens, top-k 2051: "
+        out = ("setup cuda_s=0.500 tilelang_import_s=1.250 mcore_import_s=0.125\n"
+               "ok 3.25 tilelang backend, NoPE route native, 16 heads, 4096 tokens, top-k 2051: "
                "fwd+bwd in 0.8 s, first call (kernel compiles or cache loads included)\n")
         return subprocess.CompletedProcess(cmd, 0, out, "")
 
@@ -143,6 +144,7 @@ def test_first_call_shipped_unpacks_the_archive_and_hides_nvcc(tmp_path, monkeyp
     assert str(tools) not in seen["env"]["PATH"].split(os.pathsep)
     assert row["name"] == "first_call_shipped" and row["status"] == "ok"
     assert (row["first_call_s"], row["fused_s"], row["compiled"]) == (3.25, 0.8, 0)
+    assert (row["cuda_s"], row["tilelang_import_s"], row["mcore_import_s"]) == (0.5, 1.25, 0.125)
     assert row["shipped_kernels"] is True and row["archive"] == archive.name
     path = tmp_path / "t.md"
     bench.write_table([row], [], path)
