@@ -460,10 +460,14 @@ def run(args):
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
                 add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
                                                        options=dict(bwd_max_block_h=32)))
-            if has_native_option("bwd_deterministic"):  # wip/0109 (issue #21)
+            if has_native_option("bwd_deterministic") and wanted("native_deterministic"):
+                # wip/0109 (issue #21), checked against the default native backward's results
+                got = {}
+                fwd_bwd(hook_fn(heads, "native"), q512, k512, idx)()[0](got)
                 add("native_deterministic", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
-                    repeat=True))
+                    repeat=True, ref=(got["out"], got["dq"], got["dk"])))
+                del got
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
                                                             idx, options=dict(bwd_dkv_chunks=False)))
