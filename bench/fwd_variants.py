@@ -11,7 +11,7 @@ same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
 with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
-flashmla. Writes
+ws64 (32 and 64 heads: 64-row tiles, WIP_PATCHES=wip/0112-fwd-ws64.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -46,8 +46,17 @@ VARIANTS = {
     "ws_w": (True, {}),
     "ws3_w": (True, {}),
     "ws3_w_np": (True, {}),
+    # wip/0112 (NativeKernelOptions.fwd_ws64): 64-row tiles, two consumer warpgroups, 32/64 heads
+    "ws64": (False, {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
+
+
+def runs_at(name, heads):
+    """The variants built for some head counts only: three buffers at 16, 64-row tiles at 32/64."""
+    if name in THREE_BUFFERS:
+        return heads == 16
+    return heads in (32, 64) if name == "ws64" else True
 
 
 def call(fwd_mod, name, q, kv, idx):
@@ -58,6 +67,12 @@ def call(fwd_mod, name, q, kv, idx):
 
     ws, kw = VARIANTS[name]
     opts = dict(fwd_warp_specialized=ws)
+    if name == "ws64":
+        from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
+
+        if "fwd_ws64" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
+            raise RuntimeError(f"{name} needs wip/0112-fwd-ws64.patch (WIP_PATCHES=)")
+        opts["fwd_ws64"] = True
     if ws:
         opts.update(fwd_ws_buffers=3 if name in THREE_BUFFERS else 2,
                     fwd_ws_chains=2 if name.endswith("_c2") else 4,
@@ -116,7 +131,7 @@ def main():
 
         t0 = time.perf_counter()
         _, hung = compile_in_processes(compile_job, [(h, v) for h in args.heads for v in kernels
-                                                     if v not in THREE_BUFFERS or h == 16],
+                                                     if runs_at(v, h)],
                                        timeout=args.precompile_timeout)
         print(f"precompiled in {time.perf_counter() - t0:.0f} s", flush=True)
         skip = set(hung)  # (heads, variant) whose first call did not return: not timed
@@ -163,7 +178,7 @@ def main():
             ref_rows = sparse_attention_reference(q[:, rows], kv, idx[:, rows], SCALE)
             checked = {}
             for rnd, name in [(r, n) for r in range(args.rounds) for n in args.variants]:
-                if name in THREE_BUFFERS and heads != 16:
+                if not runs_at(name, heads):
                     continue
                 row = dict(name=name, heads=heads, seqlen=s, topk=TOPK)
                 if args.rounds > 1:
