@@ -24,7 +24,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
 --set chunks (0105): native (the whole dKV block, staged in row slices) and native_c64/c128 (dKV
   in 64/128-column chunks, staged) and native_c64d/c128d (added from registers); with 0106 (in
   the series from .15) also native_c64l (16 heads) / native_c128l (4-float adds from registers
-  into a line-ordered accumulator, the default since 0106)
+  into a line-ordered accumulator, the default since 0106); with WIP_PATCHES=wip/0113 at 64
+  heads native_ws64 (warpgroup roles: WG0 scores, P, dS and half of dQ; WG1 the other half and dKV)
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
@@ -80,6 +81,9 @@ def chunk_variants(heads):
     if "dkv_lines" in inspect.signature(getattr(bwd_mod.bwd, "func", bwd_mod.bwd)).parameters:
         lines = 16 * base["threads"] // 32
         v[f"native_c{lines}l"] = dict(base, dkv_chunk=lines, dkv_lines=True)
+    if heads == 64 and hasattr(bwd_mod, "sparse_mla_bwd_ws64"):
+        # wip/0113 (issue #17): warpgroup roles at 64 heads, dKV in line order
+        v["native_ws64"] = dict(base, ws64=True, dkv_lines=True)
     return v
 
 
@@ -116,6 +120,8 @@ def build(heads, cfg):
         tilelang_sparse_mla_bwd as bwd_mod,
     )
 
+    if cfg.get("ws64"):  # wip/0113
+        return bwd_mod.sparse_mla_bwd_ws64(heads, 512, cfg["topk"], SCALE)
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
     extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_lines") if k in cfg})
     return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE,
