@@ -93,8 +93,6 @@ GETTERS = {
     ("tilelang_indexer_loss", "_get_target_kernel"): "idx_target",
     ("tilelang_indexer_loss", "_get_kl_kernel"): "idx_kl",
 }
-SPARSE_MLA_KINDS = ("fwd", "fwd_ws", "pre", "bwd", "post")
-INDEXER_KINDS = ("idx_fwd", "idx_clean", "idx_bwd", "idx_target", "idx_kl")
 # upstream's variables that change what the wrappers build: the set is built for their defaults
 BUILD_KNOBS = ("MCORE_DSA_TILELANG_SEQ_BUCKET", "MCORE_DSA_TILELANG_TOPK_BUCKET",
                "MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", "MCORE_DSA_TILELANG_NOPE")
