@@ -32,13 +32,20 @@ tree: venv
 wheel: tree
 	bash scripts/build_wheel.sh
 
-# The GLM SparseMLA kernels compiled for sm_90a on this machine (no GPU; nvcc and TileLang), as a
-# TileLang kernel-cache archive beside the wheels (README "Shipped kernels"). SCALES: the softmax
-# scales to build for (default 512**-0.5); HEADS: the query heads per GPU (default 8 16 32 64);
-# SMS: the GPU's SM count (default 132, an H200); JOBS.
+# The GLM SparseMLA and DSA indexer kernels compiled for sm_90a on this machine (no GPU; nvcc and
+# TileLang), as a TileLang kernel-cache archive beside the wheels (README "Shipped kernels").
+# SCALES: the softmax scales to build for (default 512**-0.5); HEADS: the query heads per GPU
+# (default 8 16 32 64); TOPK: the sparse attention's top-k width (default 2051, GLM's k-pool
+# width; megatron's own indexer gives min(dsa_indexer_topk, keys)); SMS: the GPU's SM count
+# (default 132, an H200); JOBS. The indexer's shape
+# (assumed, not GLM-5.3-Flash's known values): INDEX_HEADS (dsa_indexer_n_heads, default 32),
+# INDEX_DIM (dsa_indexer_head_dim, 128), INDEX_TOPK (dsa_indexer_topk, 2048); INDEXER=0 leaves the
+# indexer kernels out.
 kernels: tree
 	$(PY) scripts/build_kernels.py $(if $(SCALES),--scale $(SCALES)) $(if $(HEADS),--heads $(HEADS)) \
-	  $(if $(SMS),--sms $(SMS)) $(if $(JOBS),--jobs $(JOBS))
+	  $(if $(TOPK),--topk $(TOPK)) $(if $(SMS),--sms $(SMS)) $(if $(JOBS),--jobs $(JOBS)) \
+	  $(if $(INDEX_HEADS),--index-heads $(INDEX_HEADS)) $(if $(INDEX_DIM),--index-dim $(INDEX_DIM)) \
+	  $(if $(INDEX_TOPK),--index-topk $(INDEX_TOPK)) $(if $(filter 0,$(INDEXER)),--no-indexer)
 
 test: wheel
 	$(PYTEST) tests

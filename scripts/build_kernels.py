@@ -1,8 +1,11 @@
-"""Build the GLM-5.3-Flash SparseMLA kernels ahead of time, on a machine without a GPU, as a
-TileLang kernel-cache directory packed into dist/glm53-kernels-<label>-tilelang<ver>-sm90a.tar.xz.
+"""Build the GLM-5.3-Flash SparseMLA and DSA indexer kernels ahead of time, on a machine without a
+GPU, as a TileLang kernel-cache directory packed into
+dist/glm53-kernels-<label>-tilelang<ver>-sm90a.tar.xz.
 
   python scripts/build_kernels.py [--heads 16 32 64] [--routes native padded] [--topk 2051]
                                   [--scale S ...] [--sms 132] [--jobs N] [--only KIND ...]
+                                  [--index-heads 32 ...] [--index-dim 128] [--index-topk 2048]
+                                  [--index-no-relu] [--no-indexer]
   python scripts/build_kernels.py --plan              # the kernels it would build, as JSON
   python scripts/build_kernels.py --check CACHE_DIR   # every kernel of CACHE_DIR's manifest loads
                                                       # from the cache without a compile
@@ -13,7 +16,12 @@ scale, one fused forward+backward runs through dsa_kernels.run_fused_absorbed_sp
 CPU with the kernel getters (_get_*_kernel of ops/tilelang_sparse_mla_{fwd,bwd}.py) replaced by
 recorders: what the getters receive there is what they receive on the GPU (the wrappers' own
 bucketing, head blocks, schedule and NativeKernelOptions defaults), except the persistent 16-head
-forward's CTA count, which is the GPU's SM count (--sms, 132 on an H200). Each distinct getter
+forward's CTA count, which is the GPU's SM count (--sms, 132 on an H200). The DSA indexer the
+same way: for each index head count, dsa_kernels.run_fused_qk_topk (DSAttention without an indexer
+loss) and, for each query-head count and scale, run_fused_qk_topk_with_loss (the sparse indexer
+loss) and its backward, on CPU with the getters of ops/tilelang_indexer_{fwd,bwd,loss}.py
+recording; the wrappers' "fused target/KL kernel fits these tensors" predicates see the tensors
+as CUDA tensors (their other conditions decide, as on the GPU). Each distinct getter
 call is then made for real in its own process, with TILELANG_DEFAULT_TARGET set to sm_90a and its
 own TILELANG_CACHE_DIR: TileLang lowers the kernel, nvcc compiles it, and TileLang stores the
 entry under the key it will compute again at run time.
@@ -61,6 +69,13 @@ EPOCH = 315532800  # 1980-01-01, as the wheel build's SOURCE_DATE_EPOCH
 GLM_TOPK = 2051
 GLM_SCALE = 512 ** -0.5  # the doctor's and the benchmark's scale
 H200_SMS = 132
+INDEXER_BLOCK = 8192  # DSAttention's fused_indexer_block_size default (query rows a call)
+# The DSA indexer's shape (MLATransformerConfig dsa_indexer_n_heads, dsa_indexer_head_dim,
+# dsa_indexer_topk). GLM-5.3-Flash's values are not known here: these are ASSUMPTIONS in the style
+# of GLM-5 (32 index heads) and DeepSeek-V3.2 (64), both with head dim 128 and top-k 2048.
+INDEX_HEADS = 32
+INDEX_DIM = 128
+INDEX_TOPK = 2048
 MANIFEST_PREFIX = "glm53-kernels-"
 OPS = "megatron.core.transformer.experimental_attention_variant.ops"
 # getter (module, name) -> short kind
@@ -70,6 +85,13 @@ GETTERS = {
     ("tilelang_sparse_mla_bwd", "_get_preprocess_kernel"): "pre",
     ("tilelang_sparse_mla_bwd", "_get_bwd_kernel"): "bwd",
     ("tilelang_sparse_mla_bwd", "_get_postprocess_kernel"): "post",
+    # the DSA indexer (run_fused_qk_topk[_with_loss]): logits, their row-bound mask, backward,
+    # and the sparse indexer loss's attention target and KL
+    ("tilelang_indexer_fwd", "_get_indexer_fwd_kernel"): "idx_fwd",
+    ("tilelang_indexer_fwd", "_get_clean_logits_kernel"): "idx_clean",
+    ("tilelang_indexer_bwd", "_get_indexer_bwd_kernel"): "idx_bwd",
+    ("tilelang_indexer_loss", "_get_target_kernel"): "idx_target",
+    ("tilelang_indexer_loss", "_get_kl_kernel"): "idx_kl",
 }
 # upstream's variables that change what the wrappers build: the set is built for their defaults
 BUILD_KNOBS = ("MCORE_DSA_TILELANG_SEQ_BUCKET", "MCORE_DSA_TILELANG_TOPK_BUCKET",
@@ -102,7 +124,27 @@ def _fake_kernel(kind, args, kwargs):
         return lambda o, do: torch.zeros(o.shape[:-1], dtype=torch.float32)
     if kind == "bwd":  # (q, kv, do, indices, lse, delta, dkv[, scale])
         return lambda q, kv, do, indices, lse, delta, dkv, *scale: torch.zeros_like(q)
-    return lambda dkv: dkv.to(torch.bfloat16)  # post
+    if kind == "post":
+        return lambda dkv: dkv.to(torch.bfloat16)
+    if kind == "idx_fwd":  # writes Logits [sq, sk] in place
+        return lambda q, kv, logits, weights, ks, ke: logits.zero_()
+    if kind == "idx_clean":  # -inf outside each row's [ks, ke), in place, as the kernel does
+        def clean(logits, ks, ke):
+            cols = torch.arange(logits.size(1), device=logits.device)
+            outside = (cols < ks.unsqueeze(1)) | (cols >= ke.unsqueeze(1))
+            logits.masked_fill_(outside, float("-inf"))
+        return clean
+    if kind == "idx_bwd":  # (q, k, weights, indices, grad_scores, dq, dweights, dk), in place
+        def bwd(q, k, w, indices, grad, dq, dw, dk):
+            dq.zero_()
+            dw.zero_()
+        return bwd
+    if kind == "idx_target":  # (query, key, indices) -> target [sq, topk] fp32
+        return lambda query, key, indices: torch.zeros(indices.shape, dtype=torch.float32)
+    if kind == "idx_kl":  # (target, logits, valid) -> (grad_logits [sq, topk], kl_rows [sq])
+        return lambda target, logits, valid: (torch.zeros_like(target),
+                                              target.new_zeros(target.shape[:1]))
+    raise ValueError(f"no stand-in for kernel kind {kind!r}")
 
 
 def _without_runtime_scale(getter, args, kwargs):
@@ -121,15 +163,81 @@ def _without_runtime_scale(getter, args, kwargs):
     return args, kwargs
 
 
+@contextlib.contextmanager
+def _tensors_report_cuda():
+    """Every tensor says is_cuda, for the wrappers' "can the fused kernel take these tensors"
+    predicates: the plan runs on CPU, and the predicates' other conditions (dtype, shape, top-k
+    multiple) are what decides on the GPU."""
+    import torch
+
+    torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cuda  # the class attribute: TensorBase's own is_cuda again
+
+
+def _as_on_gpu(predicate):
+    def wrapped(*args, **kwargs):
+        with _tensors_report_cuda():
+            return predicate(*args, **kwargs)
+    return wrapped
+
+
+def _indexer_step(dsa_kernels, config, index_heads, index_dim, index_topk, use_relu, heads=None,
+                  scale=None):
+    """One DSA indexer call as DSAttention makes it on the tilelang backend, causal, batch 1,
+    sq = sk = index_topk (so the top-k is index_topk wide, as for any sequence at least that long).
+    heads None: run_fused_qk_topk (no indexer loss: forward only). Else
+    run_fused_qk_topk_with_loss (dsa_indexer_loss_coeff > 0 with dsa_indexer_use_sparse_loss)
+    against the main attention's absorbed NoPE query [sq, 1, heads, 512] and shared latent key
+    [sk, 1, 1, 512] at softmax scale `scale`, and the loss's backward."""
+    import torch
+
+    from megatron.core.transformer.experimental_attention_variant import dsa_masking
+
+    sq = sk = index_topk
+    grad = heads is not None
+    q = torch.zeros(sq, 1, index_heads, index_dim, dtype=torch.bfloat16, requires_grad=grad)
+    k = torch.zeros(sk, 1, index_dim, dtype=torch.bfloat16, requires_grad=grad)
+    weights = torch.zeros(sq, 1, index_heads, dtype=torch.bfloat16, requires_grad=grad)
+    starts, ends = dsa_masking.build_fused_indexer_varlen_bounds(
+        sq=sq, skv=sk, device=q.device, mask=None, varlen_starts=None, varlen_ends=None,
+        key_positions=None)
+    what = f"index heads {index_heads}, index head dim {index_dim}, top-k {index_topk}"
+    if not grad:
+        out = dsa_kernels.run_fused_qk_topk(
+            config, q, k, weights, index_topk, starts, ends, block_size=INDEXER_BLOCK,
+            use_relu=use_relu)
+        if out is None:
+            raise RuntimeError(f"the TileLang indexer declined ({what})")
+        return
+    query = torch.zeros(sq, 1, heads, 512, dtype=torch.bfloat16)
+    key = torch.zeros(sk, 1, 1, 512, dtype=torch.bfloat16)
+    out = dsa_kernels.run_fused_qk_topk_with_loss(
+        config, q, k, weights, index_topk, starts, ends, block_size=INDEXER_BLOCK, query=query,
+        key=key, softmax_scale=scale, loss_coeff=1.0,
+        pg_collection=types.SimpleNamespace(tp=None), use_relu=use_relu)
+    if out is None:
+        raise RuntimeError(f"the TileLang indexer with sparse loss declined ({what}, "
+                           f"{heads} query heads)")
+    out[2].backward()
+
+
 def plan(heads=(8, 16, 32, 64), routes=("native", "padded"), topk=GLM_TOPK, scales=(GLM_SCALE,),
-         sms=H200_SMS, only=None, tokens=256):
-    """The kernel getter calls one fused fwd+bwd makes for each (route, heads, scale): a list of
-    {"module", "getter", "kind", "args", "kwargs", "used_by"}, one per distinct call, in order."""
+         sms=H200_SMS, only=None, tokens=256, index_heads=(INDEX_HEADS,), index_dim=INDEX_DIM,
+         index_topk=INDEX_TOPK, index_relu=True, indexer=True):
+    """The kernel getter calls one fused fwd+bwd makes for each (route, heads, scale), then (if
+    indexer) those of the DSA indexer for each index head count: its forward alone (no indexer
+    loss) and, for each (heads, scale), its forward+backward with the sparse indexer loss: a list
+    of {"module", "getter", "kind", "args", "kwargs", "used_by"}, one per distinct call, in
+    order."""
     import importlib
 
     import torch
 
     from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     mods = {m: importlib.import_module(f"{OPS}.{m}") for m, _ in GETTERS}
@@ -156,6 +264,15 @@ def plan(heads=(8, 16, 32, 64), routes=("native", "padded"), topk=GLM_TOPK, scal
             real[m, name] = getattr(mods[m], name)
             saved.append((mods[m], name, real[m, name]))
             setattr(mods[m], name, recorder)
+        for name in ("_can_use_fused_sparse_indexer_target", "_can_use_fused_sparse_indexer_kl"):
+            saved.append((tilelang_dsa, name, getattr(tilelang_dsa, name)))
+            setattr(tilelang_dsa, name, _as_on_gpu(getattr(tilelang_dsa, name)))
+        # PyTorch's target where the fused target kernel declines (top-k not a multiple of 64):
+        # no kernel in it, and [512, 1024, 512] FP32 gathers on CPU
+        saved.append((tilelang_dsa, "_compute_topk_target_chunk_sum",
+                      tilelang_dsa._compute_topk_target_chunk_sum))
+        tilelang_dsa._compute_topk_target_chunk_sum = lambda *, s0, s1, idx_seq, **_: torch.zeros(
+            s1 - s0, idx_seq.size(-1), dtype=torch.float32)
         saved.append((torch.cuda, "get_device_properties", torch.cuda.get_device_properties))
         torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
             multi_processor_count=sms)
@@ -176,6 +293,21 @@ def plan(heads=(8, 16, 32, 64), routes=("native", "padded"), topk=GLM_TOPK, scal
                     out = dsa_kernels.run_fused_absorbed_sparse_attention(
                         config, q, k, idx, scale, 512)
                     out.float().sum().backward()
+        for ih in index_heads if indexer else ():
+            shape = dict(index_heads=ih, index_dim=index_dim, index_topk=index_topk,
+                         use_relu=index_relu)
+            config = MLATransformerConfig(
+                num_layers=1, hidden_size=256, num_attention_heads=16, kv_lora_rank=512,
+                qk_pos_emb_head_dim=0, dsa_kernel_backend="tilelang", dsa_indexer_n_heads=ih,
+                dsa_indexer_head_dim=index_dim, dsa_indexer_topk=index_topk,
+                dsa_indexer_scoring_relu=index_relu)
+            current = dict(path="indexer", **shape)
+            _indexer_step(dsa_kernels, config, ih, index_dim, index_topk, index_relu)
+            for h in heads:
+                for scale in scales:
+                    current = dict(path="indexer_loss", heads=h, scale=scale, **shape)
+                    _indexer_step(dsa_kernels, config, ih, index_dim, index_topk, index_relu,
+                                  heads=h, scale=scale)
     finally:
         for obj, name, fn in reversed(saved):
             setattr(obj, name, fn)
@@ -420,7 +552,8 @@ def manifest(results, label, args):
     p = read_pin()
     return dict(
         format=1,
-        what="TileLang kernel cache: the GLM-5.3-Flash SparseMLA kernels of a megatron-core build",
+        what="TileLang kernel cache: the GLM-5.3-Flash SparseMLA and DSA indexer kernels of a "
+             "megatron-core build",
         label=label,
         megatron_core=f"{p['MCORE_VERSION']}+{label}",
         patches_sha256=_patches_sha256(),
@@ -435,6 +568,9 @@ def manifest(results, label, args):
         scales=args.scale,
         routes=args.routes,
         query_heads=args.heads,
+        indexer=None if args.no_indexer else dict(
+            index_heads=args.index_heads, index_dim=args.index_dim, index_topk=args.index_topk,
+            use_relu=not args.index_no_relu),
         env={"TILELANG_CACHE_DIR": "the folder this archive is unpacked into",
              "TILELANG_DEFAULT_TARGET": TARGET_ENV},
         kernels=sorted(kernels, key=lambda k: (k["kind"], json.dumps(k["args"]), k["key"])),
@@ -558,6 +694,16 @@ def main(argv=None):
                     help="softmax scales (each kernel is built for one; default 512**-0.5)")
     ap.add_argument("--sms", type=int, default=H200_SMS,
                     help="SMs of the GPU (the persistent 16-head forward launches one CTA each)")
+    ap.add_argument("--index-heads", type=int, nargs="+", default=[INDEX_HEADS],
+                    help="DSA indexer heads, dsa_indexer_n_heads (default 32: an assumption)")
+    ap.add_argument("--index-dim", type=int, default=INDEX_DIM,
+                    help="DSA indexer head dim, dsa_indexer_head_dim (default 128: an assumption)")
+    ap.add_argument("--index-topk", type=int, default=INDEX_TOPK,
+                    help="DSA indexer top-k, dsa_indexer_topk (default 2048: an assumption)")
+    ap.add_argument("--index-no-relu", action="store_true",
+                    help="dsa_indexer_scoring_relu=False (default: True, megatron's default)")
+    ap.add_argument("--no-indexer", action="store_true",
+                    help="only the SparseMLA kernels, not the DSA indexer's")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", nargs="+", choices=sorted(set(GETTERS.values())),
                     help="build only these kernel kinds (a subset, for tests)")
@@ -570,7 +716,10 @@ def main(argv=None):
             use_tree(args.tree)
         return 1 if check(args.check) else 0
     use_tree(args.tree)
-    calls = plan(args.heads, args.routes, args.topk, args.scale, args.sms, args.only)
+    calls = plan(args.heads, args.routes, args.topk, args.scale, args.sms, args.only,
+                 index_heads=args.index_heads, index_dim=args.index_dim,
+                 index_topk=args.index_topk, index_relu=not args.index_no_relu,
+                 indexer=not args.no_indexer)
     if args.plan:
         print(json.dumps(calls, indent=1))
         return 0

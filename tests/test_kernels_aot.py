@@ -29,6 +29,7 @@ SCRIPT = ROOT / "scripts" / "build_kernels.py"
 TARGET_ENV = '{"kind": "cuda", "arch": "sm_90a"}'  # what the README tells a user to set
 # 2 small kernels of one JIT function: the delta kernel at 16 and 32 heads
 SUBSET = ["--only", "pre", "--heads", "16", "32", "--routes", "native"]
+SPARSE_MLA_KINDS = {"fwd", "fwd_ws", "pre", "bwd", "post"}
 
 # How the emulated process starts: before tilelang is imported, hide the CUDA toolkit
 # (TileLang looks for it once, at import) and make torch.cuda report an H200.
@@ -116,8 +117,9 @@ def test_plan_is_the_glm_set(glm_plan):
     wrappers build them: native 512 (top-k 2051 at run time; the warp-specialized forward at 16
     and 32 kernel heads, persistent over an H200's 132 SMs at 16) and #7617's 576 (top-k padded to
     2112). 8 query heads run as 16: the same kernels, but for the native route's delta (0107: on
-    the caller's 8 heads)."""
+    the caller's 8 heads). (The indexer's kernels of the same plan: the next test.)"""
     _, calls = glm_plan
+    calls = [c for c in calls if c["kind"] in SPARSE_MLA_KINDS]
     uses = {}
     for c in calls:
         for u in c["used_by"]:
@@ -160,11 +162,13 @@ def test_native_kernels_serve_every_softmax_scale(glm_plan):
     scales holds each native kernel once (recorded with sm_scale None, as its getter keys it); the
     576 kernels are built per scale."""
     _, calls = glm_plan
+    calls = [c for c in calls if c["kind"] in SPARSE_MLA_KINDS]
     proc = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), "--tree", str(TREE),
-                           "--plan", "--scale", str(512 ** -0.5), "0.1"],
+                           "--plan", "--no-indexer", "--scale", str(512 ** -0.5), "0.1"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)
+    assert {c["kind"] for c in two} <= SPARSE_MLA_KINDS  # --no-indexer
 
     def native(cs):
         return [c for c in cs if all(u["route"] == "native" for u in c["used_by"])]
@@ -178,6 +182,71 @@ def test_native_kernels_serve_every_softmax_scale(glm_plan):
             assert {u["scale"] for u in c["used_by"]} == {512 ** -0.5, 0.1}
     # the 576 route's forward and backward at 16, 32 and 64 kernel heads, once more
     assert len(two) == len(calls) + 6
+
+
+INDEX_HEADS, INDEX_DIM, INDEX_TOPK = 32, 128, 2048  # build_kernels.py's assumed defaults
+
+
+@needs_tilelang
+def test_plan_has_the_indexer_kernels(glm_plan):
+    """The DSA indexer's kernels as DSAttention's tilelang hooks ask for them (assumed indexer
+    shape: 32 heads, head dim 128, top-k 2048, scoring ReLU on). Without an indexer loss
+    (run_fused_qk_topk): the logits kernel and the row-bound mask. With the sparse indexer loss
+    (run_fused_qk_topk_with_loss) also the backward at top-k 2048 (next power of two, a multiple of
+    32), the loss's attention target per query-head count and softmax scale (the main attention's
+    NoPE q/k, width 512: it runs there) and the KL kernel (top-k a multiple of 256)."""
+    _, calls = glm_plan
+    idx = [c for c in calls if c["kind"] not in SPARSE_MLA_KINDS]
+    by_kind = {}
+    for c in idx:
+        by_kind.setdefault(c["kind"], []).append(c)
+        assert c["module"].startswith("tilelang_indexer_")
+        for u in c["used_by"]:
+            assert (u["index_heads"], u["index_dim"], u["index_topk"], u["use_relu"]) == (
+                INDEX_HEADS, INDEX_DIM, INDEX_TOPK, True)
+    assert sorted(by_kind) == ["idx_bwd", "idx_clean", "idx_fwd", "idx_kl", "idx_target"]
+    loss_uses = [dict(path="indexer_loss", heads=h, scale=512 ** -0.5, index_heads=INDEX_HEADS,
+                      index_dim=INDEX_DIM, index_topk=INDEX_TOPK, use_relu=True)
+                 for h in (8, 16, 32, 64)]
+    plain_use = dict(path="indexer", index_heads=INDEX_HEADS, index_dim=INDEX_DIM,
+                     index_topk=INDEX_TOPK, use_relu=True)
+    (fwd,), (clean,), (bwd,), (kl,) = (by_kind[k] for k in ("idx_fwd", "idx_clean", "idx_bwd",
+                                                             "idx_kl"))
+    assert (fwd["getter"], fwd["args"]) == ("_get_indexer_fwd_kernel", [])
+    assert fwd["kwargs"] == {"heads": INDEX_HEADS, "index_dim": INDEX_DIM, "use_relu": True}
+    assert (clean["getter"], clean["args"], clean["kwargs"]) == ("_get_clean_logits_kernel", [], {})
+    for c in (fwd, clean):
+        assert c["used_by"] == [plain_use, *loss_uses]
+    assert (bwd["getter"], bwd["args"]) == ("_get_indexer_bwd_kernel", [INDEX_HEADS, INDEX_DIM, 2048])
+    assert bwd["kwargs"] == {"use_relu": True}
+    assert (kl["getter"], kl["args"], kl["kwargs"]) == ("_get_kl_kernel", [INDEX_TOPK], {})
+    for c in (bwd, kl):
+        assert c["used_by"] == loss_uses
+    targets = by_kind["idx_target"]
+    assert [(c["getter"], c["args"], c["kwargs"]) for c in targets] == [
+        ("_get_target_kernel", [h, 512, INDEX_TOPK, 512 ** -0.5], {}) for h in (8, 16, 32, 64)]
+    assert [c["used_by"] for c in targets] == [[u] for u in loss_uses]
+    assert len(idx) == 8
+
+
+@needs_tilelang
+def test_indexer_plan_follows_its_parameters():
+    """--index-* reach the wrappers, which decide: 64 index heads, head dim 64, ReLU off; top-k
+    1000 gives a 1024-wide backward (padded to a power of two), and neither the fused target (top-k
+    not a multiple of 64) nor the KL kernel (of 256): the wrappers compute those in PyTorch, so the
+    plan has no such kernels."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), "--tree", str(TREE),
+                           "--plan", "--heads", "16", "--routes", "native", "--index-heads", "64",
+                           "--index-dim", "64", "--index-topk", "1000", "--index-no-relu",
+                           "--only", "idx_fwd", "idx_clean", "idx_bwd", "idx_target", "idx_kl"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = json.loads(proc.stdout)
+    assert [(c["kind"], c["args"], c["kwargs"]) for c in calls] == [
+        ("idx_fwd", [], {"heads": 64, "index_dim": 64, "use_relu": False}),
+        ("idx_clean", [], {}),
+        ("idx_bwd", [64, 64, 1024], {"use_relu": False}),
+    ]
 
 
 @needs_tilelang
@@ -206,9 +275,9 @@ def test_gpu_host_computes_the_keys_the_build_stores(glm_plan, tmp_path):
         assert "No registered target detector found an available target" in k, k
 
 
-def _build(out):
+def _build(out, subset=SUBSET):
     proc = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), "--tree", str(TREE),
-                           "--out", str(out), "--jobs", "2", *SUBSET],
+                           "--out", str(out), "--jobs", "2", *subset],
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tars = sorted(pathlib.Path(out).glob("glm53-kernels-*.tar.xz"))
@@ -344,3 +413,57 @@ def test_the_doctor_reads_the_archive(artifact, tmp_path, monkeypatch):
     monkeypatch.delenv("TILELANG_DEFAULT_TARGET")
     line = glm53_doctor.shipped_kernels(label)
     assert "NOT USABLE AS IS: TILELANG_DEFAULT_TARGET is unset" in line
+
+
+# 2 small indexer kernels: the logits row-bound mask and the sparse loss's KL (out_idx=[-2, -1],
+# so it has an alias key)
+INDEXER_SUBSET = ["--only", "idx_clean", "idx_kl", "--heads", "16", "--routes", "native"]
+
+
+@pytest.fixture(scope="module")
+def indexer_artifact(tmp_path_factory):
+    """The archive of 2 indexer kernels, built by the script as `make kernels` runs it."""
+    return _build(tmp_path_factory.mktemp("kernels-idx"), INDEXER_SUBSET)
+
+
+@needs_tilelang
+@needs_nvcc
+def test_indexer_kernels_compile_for_sm90a(indexer_artifact):
+    """Indexer kernels compile for sm_90a here through the same build (no GPU), land in the
+    archive with their getter calls and the indexer's shape in the manifest, and the build's own
+    check loads them back without a compile."""
+    path, log = indexer_artifact
+    members, m = _members(path)
+    assert m["indexer"] == {"index_heads": [INDEX_HEADS], "index_dim": INDEX_DIM,
+                            "index_topk": INDEX_TOPK, "use_relu": True}
+    assert [(k["kind"], k["getter"], k["args"]) for k in m["kernels"]] == [
+        ("idx_clean", "_get_clean_logits_kernel", []), ("idx_kl", "_get_kl_kernel", [INDEX_TOPK])]
+    by_name = {x.name: x for x in members}
+    for k in m["kernels"]:
+        assert k["module"].endswith(("ops.tilelang_indexer_fwd", "ops.tilelang_indexer_loss"))
+        entry = f"{m['cache_namespace']}/kernels/{k['key']}"
+        assert by_name[f"{entry}/executable.so"].isfile()
+        assert "sm_90a" in json.dumps(m["target_str"])
+        if k["alias_key"] != k["key"]:
+            alias = by_name[f"{m['cache_namespace']}/kernels/{k['alias_key']}"]
+            assert alias.issym() and alias.linkname == k["key"]
+    kl = next(k for k in m["kernels"] if k["kind"] == "idx_kl")
+    assert kl["alias_key"] != kl["key"]  # out_idx [-2, -1]: TileLang's rewrite gives a 2nd key
+    assert "6 of 6 kernel loads" in log
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.parametrize("mode", sorted(GPU_HOSTS))
+def test_gpu_host_loads_the_shipped_indexer_kernels(indexer_artifact, tmp_path, mode):
+    """--check on a GPU host (emulated as above): the indexer kernels come back from the wheel's
+    own getters as the shipped entries, nvcc absent and the compile path a trap, nothing
+    written."""
+    cache = _unpack(indexer_artifact[0], tmp_path / "cache")
+    before = _listing(cache)
+    proc = _run(CHECK, mode, GPU_HOSTS[mode], cache, tmp_path, cache)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "6 of 6 kernel loads (2 kernels, 3 passes)" in proc.stdout
+    assert "TileLang begins to compile" not in text
+    assert _listing(cache) == before
