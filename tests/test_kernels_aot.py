@@ -356,6 +356,20 @@ def _listing(root):
                   for p in root.rglob("*"))
 
 
+def _check_on_gpu_host(archive, tmp_path, mode):
+    """--check of a 2-kernel archive on an emulated GPU host: every load without a compile and
+    nothing written to the cache. Returns --check's stdout."""
+    cache = _unpack(archive, tmp_path / "cache")
+    before = _listing(cache)
+    proc = _run(CHECK, mode, GPU_HOSTS[mode], cache, tmp_path, cache)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "6 of 6 kernel loads (2 kernels, 3 passes)" in proc.stdout
+    assert "TileLang begins to compile" not in text
+    assert _listing(cache) == before
+    return proc.stdout
+
+
 @needs_tilelang
 @needs_nvcc
 @pytest.mark.parametrize("mode", sorted(GPU_HOSTS))
@@ -364,22 +378,15 @@ def test_gpu_host_loads_the_shipped_kernels_without_compiling(artifact, tmp_path
     the wheel's own getter as the shipped entry, with nvcc absent and TileLang's compile path a
     trap: as a process's first kernel, and all in one process (the second kernel of a JIT function
     then has TileLang's rewritten out_idx and loads through the alias). Nothing is written."""
-    cache = _unpack(artifact[0], tmp_path / "cache")
-    before = _listing(cache)
-    proc = _run(CHECK, mode, GPU_HOSTS[mode], cache, tmp_path, cache)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-4000:]
-    assert "6 of 6 kernel loads (2 kernels, 3 passes)" in proc.stdout
-    assert "TileLang begins to compile" not in text
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("[one process]")]
+    stdout = _check_on_gpu_host(artifact[0], tmp_path, mode)
+    lines = [l for l in stdout.splitlines() if l.startswith("[one process]")]
     _, m = _members(artifact[0])
     # the first delta kernel by its own key, the second through the alias
     assert f"loaded from {m['kernels'][0]['key'][:16]}" in lines[0]
     assert f"loaded from {m['kernels'][1]['alias_key'][:16]}" in lines[1]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("[one process, reversed]")]
+    lines = [l for l in stdout.splitlines() if l.startswith("[one process, reversed]")]
     assert f"loaded from {m['kernels'][1]['key'][:16]}" in lines[0]
     assert f"loaded from {m['kernels'][0]['alias_key'][:16]}" in lines[1]
-    assert _listing(cache) == before
 
 
 @needs_tilelang
@@ -459,11 +466,4 @@ def test_gpu_host_loads_the_shipped_indexer_kernels(indexer_artifact, tmp_path, 
     """--check on a GPU host (emulated as above): the indexer kernels come back from the wheel's
     own getters as the shipped entries, nvcc absent and the compile path a trap, nothing
     written."""
-    cache = _unpack(indexer_artifact[0], tmp_path / "cache")
-    before = _listing(cache)
-    proc = _run(CHECK, mode, GPU_HOSTS[mode], cache, tmp_path, cache)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-4000:]
-    assert "6 of 6 kernel loads (2 kernels, 3 passes)" in proc.stdout
-    assert "TileLang begins to compile" not in text
-    assert _listing(cache) == before
+    _check_on_gpu_host(indexer_artifact[0], tmp_path, mode)
