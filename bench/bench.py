@@ -424,6 +424,13 @@ def run(args):
                 return call, check
             return make
 
+        def native_results():
+            """(out, dq, dk) of one native-route call, for a row's cross-check against it; made
+            just before that row, not held across the other rows (their measured peaks)."""
+            got = {}
+            fwd_bwd(hook_fn(heads, "native"), q512, k512, idx)()[0](got)
+            return got["out"], got["dq"], got["dk"]
+
         def wanted(name):
             return not args.rows or name in args.rows
 
@@ -462,12 +469,9 @@ def run(args):
                                                        options=dict(bwd_max_block_h=32)))
             if has_native_option("bwd_deterministic") and wanted("native_deterministic"):
                 # wip/0109 (issue #21), checked against the default native backward's results
-                got = {}
-                fwd_bwd(hook_fn(heads, "native"), q512, k512, idx)()[0](got)
                 add("native_deterministic", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
-                    repeat=True, ref=(got["out"], got["dq"], got["dk"])))
-                del got
+                    repeat=True, ref=native_results()))
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
                                                             idx, options=dict(bwd_dkv_chunks=False)))
@@ -485,11 +489,7 @@ def run(args):
                         rows.append(dict(name=name, dim=512, width=2051, heads=heads, seqlen=L,
                                          oom=False, status="unavailable", msg=cudnn_reason))
             else:
-                ref = None
-                if native:  # the native route's results, for the peer's cross-check
-                    got = {}
-                    fwd_bwd(hook_fn(heads, "native"), q512, k512, idx)()[0](got)
-                    ref = (got["out"], got["dq"], got["dk"])
+                ref = native_results() if native else None  # for the peer's cross-check
                 cudnn = hook_fn(heads, backend="cudnn")
                 add("cudnn", 512, 2051, fwd_bwd(cudnn, q512, k512, idx, ref=ref))
                 add("cudnn_fwd", 512, 2051, fwd_bwd(cudnn, q512, k512, idx, True, ref=ref), True)
