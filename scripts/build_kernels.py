@@ -184,10 +184,10 @@ def _as_on_gpu(predicate):
     return wrapped
 
 
-def _indexer_step(dsa_kernels, config, index_heads, index_dim, index_topk, use_relu, heads=None,
-                  scale=None):
-    """One DSA indexer call as DSAttention makes it on the tilelang backend, causal, batch 1,
-    sq = sk = index_topk (so the top-k is index_topk wide, as for any sequence at least that long).
+def _indexer_step(dsa_kernels, config, heads=None, scale=None):
+    """One DSA indexer call as DSAttention makes it on the tilelang backend, at config's indexer
+    shape (dsa_indexer_n_heads, _head_dim, _topk, _scoring_relu), causal, batch 1, sq = sk =
+    the indexer's top-k (so the top-k is that wide, as for any sequence at least that long).
     heads None: run_fused_qk_topk (no indexer loss: forward only). Else
     run_fused_qk_topk_with_loss (dsa_indexer_loss_coeff > 0 with dsa_indexer_use_sparse_loss)
     against the main attention's absorbed NoPE query [sq, 1, heads, 512] and shared latent key
@@ -196,6 +196,8 @@ def _indexer_step(dsa_kernels, config, index_heads, index_dim, index_topk, use_r
 
     from megatron.core.transformer.experimental_attention_variant import dsa_masking
 
+    index_heads, index_dim = config.dsa_indexer_n_heads, config.dsa_indexer_head_dim
+    index_topk, use_relu = config.dsa_indexer_topk, config.dsa_indexer_scoring_relu
     sq = sk = index_topk
     grad = heads is not None
     q = torch.zeros(sq, 1, index_heads, index_dim, dtype=torch.bfloat16, requires_grad=grad)
@@ -302,12 +304,11 @@ def plan(heads=(8, 16, 32, 64), routes=("native", "padded"), topk=GLM_TOPK, scal
                 dsa_indexer_head_dim=index_dim, dsa_indexer_topk=index_topk,
                 dsa_indexer_scoring_relu=index_relu)
             current = dict(path="indexer", **shape)
-            _indexer_step(dsa_kernels, config, ih, index_dim, index_topk, index_relu)
+            _indexer_step(dsa_kernels, config)
             for h in heads:
                 for scale in scales:
                     current = dict(path="indexer_loss", heads=h, scale=scale, **shape)
-                    _indexer_step(dsa_kernels, config, ih, index_dim, index_topk, index_relu,
-                                  heads=h, scale=scale)
+                    _indexer_step(dsa_kernels, config, heads=h, scale=scale)
     finally:
         for obj, name, fn in reversed(saved):
             setattr(obj, name, fn)
