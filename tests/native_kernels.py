@@ -49,18 +49,19 @@ def round_up(x, m):
     return (x + m - 1) // m * m
 
 
-def _has_arg(jit_fn, name):
+def _takes(fn, name):
     import inspect
 
-    fn = getattr(jit_fn, "func", jit_fn)  # tilelang_jit keeps the builder in .func
-    return HAVE_TILELANG and name in inspect.signature(fn).parameters
+    fn = getattr(fn, "func", fn)  # tilelang_jit keeps the builder in .func
+    return name in inspect.signature(fn).parameters
+
+
+def _has_arg(jit_fn, name):
+    return HAVE_TILELANG and _takes(jit_fn, name)
 
 
 def _has_forward_arg(name):
-    import inspect
-
-    return sparse_mla.SparseMLA is not None and name in inspect.signature(
-        sparse_mla.SparseMLA.forward).parameters
+    return sparse_mla.SparseMLA is not None and _takes(sparse_mla.SparseMLA.forward, name)
 
 
 # patch number -> (what it adds, is it in the tree)
