@@ -17,13 +17,19 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 the backward recomputes the forward, as upstream's SparseMLA does), 32k/16 heads;
                 and 32k/8 heads (without 0107: padded heads recompute)
   native_bh32   512/2051  the same with NativeKernelOptions(bwd_max_block_h=32) (without 0100: two
-                32-head backward blocks at 64 heads), 32k/64 heads
+                32-head backward blocks at 64 heads), 32k/64 heads; this row and the dkv rows
+                below also set bwd_ws64=False (0113's kernel replaces the head-block backward
+                they vary at 32 and 64 heads)
   native_deterministic 512/2051  with wip/0109 applied: NativeKernelOptions(bwd_deterministic=True);
                 bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
                 dKV chunks staged or added 2 floats at a time), 32k/16, 32 and 64 heads
+  native_no_ws64 512/2051  the same with NativeKernelOptions(fwd_ws64=False, bwd_ws64=False)
+                (without 0112 and 0113: the forward and backward with 32-row head tiles or
+                blocks instead of 64-row tiles and warpgroup roles), 32k/32 and 64 heads;
+                checked against the native route
   padded_fwd / native_fwd   the same, forward only
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
@@ -464,21 +470,30 @@ def run(args):
                 # A/B of patches 0060 (saved output) and, at 8 heads, 0107 (with padded heads)
                 add("native_recompute", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
                                                             idx, options=dict(save_output=False)))
+            # the head-block backward's own A/B rows: 0113's kernel off where it serves
+            head_block = dict(bwd_ws64=False) if has_native_option("bwd_ws64") else {}
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
                 add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
-                                                       options=dict(bwd_max_block_h=32)))
+                                                       options=dict(head_block, bwd_max_block_h=32)))
             if has_native_option("bwd_deterministic") and wanted("native_deterministic"):
                 # wip/0109 (issue #21), checked against the default native backward's results
                 add("native_deterministic", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
                     repeat=True, ref=native_results()))
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
-                add("native_dkv_whole", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
-                                                            idx, options=dict(bwd_dkv_chunks=False)))
+                add("native_dkv_whole", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(head_block, bwd_dkv_chunks=False)))
             if heads in (16, 32, 64) and L == 32768 and has_native_option("bwd_dkv_lines"):
                 # A/B of patch 0106 (the line-ordered dKV add from registers)
-                add("native_dkv_staged", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512,
-                                                             idx, options=dict(bwd_dkv_lines=False)))
+                add("native_dkv_staged", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(head_block, bwd_dkv_lines=False)))
+            if heads in (32, 64) and L == 32768 and has_native_option("bwd_ws64"):
+                # A/B of patches 0112 and 0113 (64-row tiles with warpgroup roles)
+                add("native_no_ws64", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(fwd_ws64=False, bwd_ws64=False), ref=native_results()))
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)

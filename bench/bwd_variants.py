@@ -81,8 +81,8 @@ def chunk_variants(heads):
     if "dkv_lines" in inspect.signature(getattr(bwd_mod.bwd, "func", bwd_mod.bwd)).parameters:
         lines = 16 * base["threads"] // 32
         v[f"native_c{lines}l"] = dict(base, dkv_chunk=lines, dkv_lines=True)
-    if heads == 64 and hasattr(bwd_mod, "sparse_mla_bwd_ws64"):
-        # wip/0113 (issue #17): warpgroup roles at 64 heads, dKV in line order
+    if heads in (32, 64) and hasattr(bwd_mod, "sparse_mla_bwd_ws64"):
+        # 0113: warpgroup roles with 64-row tiles (32 heads as 64 rows), dKV in line order
         v["native_ws64"] = dict(base, ws64=True, dkv_lines=True)
     return v
 

@@ -11,7 +11,7 @@ same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
 with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
-ws64 (32 and 64 heads: 64-row tiles, WIP_PATCHES=wip/0112-fwd-ws64.patch), flashmla. Writes
+ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -46,7 +46,7 @@ VARIANTS = {
     "ws_w": (True, {}),
     "ws3_w": (True, {}),
     "ws3_w_np": (True, {}),
-    # wip/0112 (NativeKernelOptions.fwd_ws64): 64-row tiles, two consumer warpgroups, 32/64 heads
+    # 0112 (NativeKernelOptions.fwd_ws64): 64-row tiles, two consumer warpgroups, 32/64 heads
     "ws64": (False, {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
@@ -65,21 +65,19 @@ def call(fwd_mod, name, q, kv, idx):
         override_native_kernel_options,
     )
 
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
+
     ws, kw = VARIANTS[name]
     opts = dict(fwd_warp_specialized=ws)
-    if name == "ws64":
-        from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
-
-        if "fwd_ws64" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
-            raise RuntimeError(f"{name} needs wip/0112-fwd-ws64.patch (WIP_PATCHES=)")
-        opts["fwd_ws64"] = True
+    if "fwd_ws64" in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
+        opts["fwd_ws64"] = name == "ws64"  # on by default at 32/64 heads: off for the others
+    elif name == "ws64":
+        raise RuntimeError(f"{name} needs patch 0112 (NativeKernelOptions.fwd_ws64)")
     if ws:
         opts.update(fwd_ws_buffers=3 if name in THREE_BUFFERS else 2,
                     fwd_ws_chains=2 if name.endswith("_c2") else 4,
                     fwd_ws_persistent=not name.endswith("_np"))
         if "w" in name.split("_"):
-            from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
-
             if "fwd_ws_mma" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
                 raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
             opts["fwd_ws_mma"] = "wgmma"

@@ -82,8 +82,10 @@ OPS = "megatron.core.transformer.experimental_attention_variant.ops"
 GETTERS = {
     ("tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_kernel"): "fwd",
     ("tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_nope_ws_kernel"): "fwd_ws",
+    ("tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_nope_ws64_kernel"): "fwd_ws",
     ("tilelang_sparse_mla_bwd", "_get_preprocess_kernel"): "pre",
     ("tilelang_sparse_mla_bwd", "_get_bwd_kernel"): "bwd",
+    ("tilelang_sparse_mla_bwd", "_get_bwd_ws64_kernel"): "bwd",
     ("tilelang_sparse_mla_bwd", "_get_postprocess_kernel"): "post",
     # the DSA indexer (run_fused_qk_topk[_with_loss]): logits, their row-bound mask, backward,
     # and the sparse indexer loss's attention target and KL

@@ -83,6 +83,12 @@ FEATURES = {
              and "bwd_dkv_lines" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
     "0107": ("SparseMLA(out_heads=)", lambda: _has_forward_arg("out_heads")),
     "0108": ("the kernels' runtime_scale", lambda: _has_arg(bwd_mod.bwd, "runtime_scale")),
+    "0112": ("NativeKernelOptions.fwd_ws64",
+             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
+             and "fwd_ws64" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
+    "0113": ("NativeKernelOptions.bwd_ws64",
+             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
+             and "bwd_ws64" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
 }
 
 

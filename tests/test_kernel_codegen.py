@@ -430,3 +430,74 @@ def test_runtime_and_build_time_scale_kernels_both_return_their_outputs(sm90):
             names = params[runtime] = [p.name for p in kernel.prim_func.params]
             assert [names[i] for i in kernel.adapter.result_idx] == outputs, (jit_fn, runtime)
         assert params[True][:-1] == params[False]  # the scale is the last argument
+
+
+def _split_ws64_fwd(src):
+    """0112's kernel by warpgroup: (WG0, WG1, producer), cut at their setmaxnreg."""
+    _, wg0, rest = src.split("warpgroup_reg_alloc<216>")
+    wg1, producer = rest.split("warpgroup_reg_dealloc<72>")
+    return wg0, wg1, producer
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0112")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_fwd_native_ws64_compiles_for_sm90a(sm90, heads):
+    """0112: 384 threads, two consumer warpgroups on 64-row wgmma tiles and a gather warpgroup.
+    Each consumer has its own named barrier (3, 4) and the producer none (a shared id hung an
+    early 0070 draft); both consumers store their half of the output, WG0 the LSE; the producer
+    loads Q with zero-filling cp.async, predicated on the row at 32 heads (run as 64 rows, the
+    rows past the heads zero and never stored). setmaxnreg fits (216/216/72)."""
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # the sm90 fixture restores it
+    topk = _round_up(2051, 2 * BLOCK_I)
+    try:
+        src, smem, _ = sm90(f"fwd_ws64 h{heads} topk {topk} sm_90a", fwd_mod.sparse_mla_fwd_nope_ws64,
+                            heads, D_V, topk, None, block_I=BLOCK_I, runtime_scale=True)
+    finally:
+        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    assert "__launch_bounds__(384" in src and "int topk_len" in src
+    assert len(_scalar_params(src, "main_kernel")) == 1  # 0108: the scale at each call
+    _check_setmaxnreg_budget(src)
+    wg0, wg1, producer = _split_ws64_fwd(src)
+    assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", wg0)) == {"3"}
+    assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", wg1)) == {"4"}
+    assert "__sync_thread_partial" not in producer and "__syncthreads" not in producer
+    assert "Output + " in wg0 and "Output + " in wg1 and "Output" not in producer
+    assert "Lse[" in wg0 and "Lse[" not in wg1
+    assert "wgmma" in wg0 and "wgmma" in wg1 and "mma_sync" not in src
+    q_loads = [line for line in producer.splitlines() if "(&(Q[" in line]
+    assert q_loads and all("cp_async_gs_conditional<16>" in line for line in q_loads)
+    assert all(("min(" in line) == (heads == 32) for line in q_loads)
+    assert "_tail" not in src and "(int64_t)576" not in src
+    assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0113")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_bwd_native_ws64_compiles_for_sm90a(sm90, heads):
+    """0113: 256 threads, a CTA a query. WG0 gathers (zero-filling cp.async), computes P and dS
+    and stores the left half of dQ; WG1 the right half and dKV, added 4 floats at a time from
+    registers into the line-ordered accumulator with 0080's index test, no 2-float adds. At 32
+    heads the tiles are 64 rows: the rows past the heads load zeros (predicated), take an
+    infinite LSE (P = 0) and are not stored."""
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # wgmma; the sm90 fixture restores it
+    topk = _round_up(2051, BWD_BLOCK)
+    try:
+        src, smem, _ = sm90(f"bwd_ws64 h{heads} topk {topk} sm_90a", bwd_mod.sparse_mla_bwd_ws64,
+                            heads, D_V, topk, runtime_scale=True)
+    finally:
+        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    assert "__launch_bounds__(256" in src and "int topk_len" in src
+    assert len(_scalar_params(src, "sparse_mla_bwd_kernel_kernel")) == 1  # 0108's scale
+    assert src.count("AtomicAddx4(") > 0 and "AtomicAddx2(" not in src
+    assert src.count("< ((uint)seq_len_kv)") >= 3
+    assert src.count("cp_async_gs_conditional<16>") >= 1
+    stores = re.findall(r"\*\(uint1\*\)\(dQ \+", src)
+    assert len(stores) == 2  # one a warpgroup, each its half
+    padded = "CUDART_INF_F" in src and "min(" in src
+    assert padded == (heads == 32)
+    assert "_tail" not in src and "576" not in src and "mma_sync" not in src
+    assert _only_smem(smem) <= SM90_MAX_DYN_SMEM

@@ -144,6 +144,12 @@ class KernelFakes:
                                ctas=ctas)
         return kernel
 
+    def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False):
+        kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
+                              topk_dynamic=True, runtime_scale=runtime_scale)
+        self.builds[-1].update(kind="fwd_ws64")
+        return kernel
+
     def get_pre(self, H, D):
         def kernel(o, do):
             return (o.float() * do.float()).sum(-1)
@@ -174,6 +180,13 @@ class KernelFakes:
             dkv += _to_lines(dk) if extra.get("dkv_lines") else dk
             return dq.to(q.dtype)
 
+        return kernel
+
+    def get_bwd_ws64(self, H, D, topk):
+        # 0113's kernel: the scale at each call, dKV added in 0106's line order
+        kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
+                              dkv_lines=True)
+        self.builds[-1].update(kind="bwd_ws64")
         return kernel
 
     def get_post(self, D, D_tail, kv_group, lines=False):
@@ -216,17 +229,26 @@ def fakes(monkeypatch):
     monkeypatch.setattr(bwd_mod, "_get_preprocess_kernel", lambda *a, **k: f.get_pre(*a, **k))
     monkeypatch.setattr(bwd_mod, "_get_bwd_kernel", lambda *a, **k: f.get_bwd(*a, **k))
     monkeypatch.setattr(bwd_mod, "_get_postprocess_kernel", lambda *a, **k: f.get_post(*a, **k))
+    if has("0112"):
+        monkeypatch.setattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws64_kernel",
+                            lambda *a, **k: f.get_fwd_ws64(*a, **k))
+    if has("0113"):
+        monkeypatch.setattr(bwd_mod, "_get_bwd_ws64_kernel", lambda *a, **k: f.get_bwd_ws64(*a, **k))
     monkeypatch.setattr(dsa_kernels, "_ABSORBED_FIRST_CALL_REPORTED", True)  # keep logs quiet
     for var in ("MCORE_DSA_REQUIRE_FUSED", "MCORE_DSA_CHECK_INDICES",
                 "MCORE_DSA_TILELANG_TOPK_BUCKET", "MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")  # whatever the head count
-    if not has("0070"):
+    # 0070's warp-specialized forward and 0112/0113's 64-row kernels are tested on their own
+    # below; the tests here check the pipelined forward's and the head-block backward's build
+    # arguments
+    off = dict(fwd_warp_specialized=False) if has("0070") else {}
+    off.update({name: False for number, name in (("0112", "fwd_ws64"), ("0113", "bwd_ws64"))
+                if has(number)})
+    if not off:  # a tree without them (and maybe without NativeKernelOptions)
         yield f
         return
-    # 0070's warp-specialized forward is tested on its own below; the tests here check the
-    # pipelined forward's build arguments
-    with options(fwd_warp_specialized=False):
+    with options(**off):
         yield f
 
 
@@ -248,7 +270,8 @@ def _inputs(width, topk, heads, sq, sk, seed=0):
 
 def _run_hook(fakes, query, key, idx, scale):
     log = ShapeLog()
-    orig = {n: getattr(fakes, n) for n in ("get_fwd", "get_fwd_ws", "get_pre", "get_bwd", "get_post")}
+    orig = {n: getattr(fakes, n) for n in ("get_fwd", "get_fwd_ws", "get_fwd_ws64", "get_pre",
+                                           "get_bwd", "get_bwd_ws64", "get_post")}
 
     def paused(fn):
         def wrapper(*a, **kw):
@@ -560,6 +583,55 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
     for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
         assert (got.float() - ref).norm() / ref.norm() < 2e-2
+
+
+@needs_tilelang
+@needs("0113")
+@pytest.mark.parametrize("heads,kernel_heads", [(8, 16), (16, 16), (32, 32), (64, 64), (128, 128)])
+@pytest.mark.parametrize("fwd_on,bwd_on", [(True, True), (True, False), (False, True)])
+def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, fwd_on, bwd_on):
+    """0112/0113 (both on by default): at 32 and 64 kernel heads the native forward is the
+    64-row warp-specialized kernel (built for top-k rounded to two 64-index blocks) and the
+    backward the kernel with warpgroup roles (dKV in line order, so the line-order
+    postprocess); each on its own with NativeKernelOptions fwd_ws64 / bwd_ws64, the other head
+    counts untouched. Both take the caller's q, kv and indices, and the gradients through the
+    hook are the reference's. Upstream's MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H, and 0050's
+    schedule=False, give the head-block backward back."""
+    monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(fwd_ws64=fwd_on, bwd_ws64=bwd_on):  # 0070 off (the fixture)
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    rows64 = kernel_heads in (32, 64)
+    fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
+    bwd = [b for b in fakes.builds if b["kind"].startswith("bwd")]
+    post = [b for b in fakes.builds if b["kind"] == "post"]
+    assert len(fwd) == len(bwd) == len(post) == 1
+    assert (fwd[0]["kind"] == "fwd_ws64") == (fwd_on and rows64)
+    assert (bwd[0]["kind"] == "bwd_ws64") == (bwd_on and rows64)
+    assert fwd[0]["heads"] == bwd[0]["heads"] == kernel_heads
+    if fwd[0]["kind"] == "fwd_ws64":
+        assert fwd[0]["topk"] == _round_up(topk, 2 * BLOCK_I) and fwd[0]["runtime_scale"]
+    if bwd[0]["kind"] == "bwd_ws64":
+        assert bwd[0]["topk"] == _round_up(topk, BWD_BLOCK) and post[0]["lines"]
+    for c in fakes.calls:
+        assert c["kv"].data_ptr() == key.data_ptr() and c["indices"].data_ptr() == idx.data_ptr()
+        if heads == kernel_heads:
+            assert c["q"].data_ptr() == query.data_ptr()
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
+    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
+        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+    if not (bwd_on and rows64):
+        return
+    for env, opts in (("32", {}), (None, dict(schedule=False))):
+        fakes.builds.clear()
+        if env:
+            monkeypatch.setenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", env)
+        query2, key2, _ = _inputs(512, topk, heads, 256, 512)
+        with options(bwd_ws64=True, **opts):
+            _run_hook(fakes, query2, key2, idx, scale)
+        monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+        assert [b["kind"] for b in fakes.builds if b["kind"].startswith("bwd")] == ["bwd"]
 
 
 @needs_tilelang

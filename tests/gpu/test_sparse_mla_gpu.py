@@ -11,6 +11,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import tilelan
 from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
     override_native_kernel_options,
 )
+from native_kernels import has, needs
 from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
@@ -78,6 +79,11 @@ def test_fused_matches_fp32_reference(width, route, topk, heads, sq):
         assert torch.count_nonzero(out[r]) == 0 and torch.count_nonzero(dq[r]) == 0
 
 
+# The head-block backward, where 0113's kernel (64-row tiles with warpgroup roles) would serve
+# 32 and 64 kernel heads by default: its own tests below turn it off.
+HEAD_BLOCK = dict(bwd_ws64=False) if has("0113") else {}
+
+
 # Every tile configuration of the native backward gets its own gradient test (a mis-tiled kernel
 # can be exact at one head count and wrong at another): the 64-head block (0100: 64 and 128
 # kernel heads), and two 32-head blocks at 64 heads (NativeKernelOptions(bwd_max_block_h=32)).
@@ -85,7 +91,19 @@ def test_fused_matches_fp32_reference(width, route, topk, heads, sq):
 @pytest.mark.parametrize("heads,max_block_h", [(64, 64), (64, 32), (128, 64), (128, 32)])
 def test_native_backward_head_blocks_match_fp32_reference(monkeypatch, heads, max_block_h, topk):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + max_block_h + topk, 5,
-                                           bwd_max_block_h=max_block_h)
+                                           bwd_max_block_h=max_block_h, **HEAD_BLOCK)
+
+
+# 0112/0113: the 64-row kernels (on by default at 32 and 64 kernel heads, where every other GPU
+# test runs them together) each on its own, beside the other path's kernel: the forward with the
+# head-block backward, and the backward after 0070's or the pipelined forward.
+@needs("0113")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("fwd_ws64,bwd_ws64", [(True, False), (False, True)])
+def test_native_64_row_kernels_match_fp32_reference(monkeypatch, heads, topk, fwd_ws64, bwd_ws64):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + bwd_ws64, 11,
+                                           fwd_ws64=fwd_ws64, bwd_ws64=bwd_ws64)
 
 
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row, **options):
@@ -109,7 +127,8 @@ def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty
 # accumulator; NativeKernelOptions(bwd_dkv_lines=False): 0105's chunks (64 columns staged at a
 # 16-head block, 128 from registers at a 64-head block, whole at 32); bwd_dkv_chunks=False: the
 # whole-block kernels.
-DKV_FORMS = {"lines": {}, "chunks": dict(bwd_dkv_lines=False), "whole": dict(bwd_dkv_chunks=False)}
+DKV_FORMS = {"lines": HEAD_BLOCK, "chunks": dict(HEAD_BLOCK, bwd_dkv_lines=False),
+             "whole": dict(HEAD_BLOCK, bwd_dkv_chunks=False)}
 
 
 @pytest.mark.parametrize("topk", [65, 2051])
