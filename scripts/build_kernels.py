@@ -82,10 +82,10 @@ OPS = "megatron.core.transformer.experimental_attention_variant.ops"
 GETTERS = {
     ("tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_kernel"): "fwd",
     ("tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_nope_ws_kernel"): "fwd_ws",
-    ("tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_nope_ws64_kernel"): "fwd_ws",
+    ("tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_nope_ws64_kernel"): "fwd_ws64",
     ("tilelang_sparse_mla_bwd", "_get_preprocess_kernel"): "pre",
     ("tilelang_sparse_mla_bwd", "_get_bwd_kernel"): "bwd",
-    ("tilelang_sparse_mla_bwd", "_get_bwd_ws64_kernel"): "bwd",
+    ("tilelang_sparse_mla_bwd", "_get_bwd_ws64_kernel"): "bwd_ws64",
     ("tilelang_sparse_mla_bwd", "_get_postprocess_kernel"): "post",
     # the DSA indexer (run_fused_qk_topk[_with_loss]): logits, their row-bound mask, backward,
     # and the sparse indexer loss's attention target and KL
@@ -115,7 +115,7 @@ def _fake_kernel(kind, args, kwargs):
     """A stand-in with the real kernel's outputs (zeros): enough for the wrappers to go on."""
     import torch
 
-    if kind in ("fwd", "fwd_ws"):
+    if kind in ("fwd", "fwd_ws", "fwd_ws64"):
         dim = kwargs["dim"] if "dim" in kwargs else args[1]  # both take (heads, dim, ...)
 
         def kernel(q, kv, indices, *scale):  # scale: a kernel built with runtime_scale (0108)
@@ -124,7 +124,7 @@ def _fake_kernel(kind, args, kwargs):
         return kernel
     if kind == "pre":
         return lambda o, do: torch.zeros(o.shape[:-1], dtype=torch.float32)
-    if kind == "bwd":  # (q, kv, do, indices, lse, delta, dkv[, scale])
+    if kind in ("bwd", "bwd_ws64"):  # (q, kv, do, indices, lse, delta, dkv[, scale])
         return lambda q, kv, do, indices, lse, delta, dkv, *scale: torch.zeros_like(q)
     if kind == "post":
         return lambda dkv: dkv.to(torch.bfloat16)

@@ -29,7 +29,7 @@ SCRIPT = ROOT / "scripts" / "build_kernels.py"
 TARGET_ENV = '{"kind": "cuda", "arch": "sm_90a"}'  # what the README tells a user to set
 # 2 small kernels of one JIT function: the delta kernel at 16 and 32 heads
 SUBSET = ["--only", "pre", "--heads", "16", "32", "--routes", "native"]
-SPARSE_MLA_KINDS = {"fwd", "fwd_ws", "pre", "bwd", "post"}
+SPARSE_MLA_KINDS = {"fwd", "fwd_ws", "fwd_ws64", "pre", "bwd", "bwd_ws64", "post"}
 
 # How the emulated process starts: before tilelang is imported, hide the CUDA toolkit
 # (TileLang looks for it once, at import) and make torch.cuda report an H200.
@@ -115,8 +115,8 @@ def glm_plan(tmp_path_factory):
 def test_plan_is_the_glm_set(glm_plan):
     """Every (route, query heads) gets its forward, delta, backward and dKV-cast kernel, as the
     wrappers build them: native 512 (top-k 2051 at run time; the warp-specialized forward at 16
-    and 32 kernel heads, persistent over an H200's 132 SMs at 16) and #7617's 576 (top-k padded to
-    2112). 8 query heads run as 16: the same kernels, but for the native route's delta (0107: on
+    kernel heads, persistent over an H200's 132 SMs, and at 32 without 0112; 0112/0113's 64-row
+    kernels at 32 and 64) and #7617's 576 (top-k padded to 2112). 8 query heads run as 16: the same kernels, but for the native route's delta (0107: on
     the caller's 8 heads). (The indexer's kernels of the same plan: the next test.)"""
     _, calls = glm_plan
     calls = [c for c in calls if c["kind"] in SPARSE_MLA_KINDS]
@@ -128,14 +128,22 @@ def test_plan_is_the_glm_set(glm_plan):
     assert set(uses) == {(r, h) for r in ("native", "padded") for h in (8, 16, 32, 64)}
     for (route, heads), cs in uses.items():
         kinds = sorted(c["kind"] for c in cs)
-        ws = route == "native" and has("0070") and heads in (8, 16, 32)
-        assert kinds == sorted(["bwd", "post", "pre", "fwd_ws" if ws else "fwd"]), (route, heads)
+        rows64 = route == "native" and heads in (32, 64)
+        ws64 = rows64 and has("0112")
+        ws = route == "native" and has("0070") and heads in (8, 16, 32) and not ws64
+        fwd_kind = "fwd_ws64" if ws64 else "fwd_ws" if ws else "fwd"
+        bwd_kind = "bwd_ws64" if rows64 and has("0113") else "bwd"
+        assert kinds == sorted([bwd_kind, "post", "pre", fwd_kind]), (route, heads)
         kernel_heads = max(heads, 16)
         for c in cs:
             a = dict(zip(["heads", "dim", "tail_dim", "topk"], c["args"]), **c["kwargs"])
             if c["kind"] == "fwd_ws":
                 assert c["args"][:3] == [kernel_heads, 512, 2112 if kernel_heads == 16 else 2176]
                 assert c["args"][-1] == (132 if kernel_heads == 16 else 0)  # CTAs: the H200's SMs
+            elif c["kind"] == "fwd_ws64":  # top-k a whole number of two 64-index blocks
+                assert c["args"][:3] == [kernel_heads, 512, 2176] and c["kwargs"]["runtime_scale"]
+            elif c["kind"] == "bwd_ws64":
+                assert c["args"] == [kernel_heads, 512, 2080]
             elif c["kind"] == "fwd":
                 assert (a["heads"], a["dim"], a["topk"]) == (kernel_heads, 512, 2112)
                 assert a["tail_dim"] == (0 if route == "native" else 64)
@@ -178,7 +186,7 @@ def test_native_kernels_serve_every_softmax_scale(glm_plan):
 
     assert [strip(c) for c in native(two)] == [strip(c) for c in native(calls)]
     for c in native(two):
-        if c["kind"] in ("fwd", "fwd_ws", "bwd"):
+        if c["kind"] in ("fwd", "fwd_ws", "fwd_ws64", "bwd", "bwd_ws64"):
             assert {u["scale"] for u in c["used_by"]} == {512 ** -0.5, 0.1}
     # the 576 route's forward and backward at 16, 32 and 64 kernel heads, once more
     assert len(two) == len(calls) + 6

@@ -230,7 +230,7 @@ def test_header_only_patch_gets_one_answer_everywhere(pristine, tmp_path):
 def test_the_tests_section_lists_exactly_the_tests_only_patches(tmp_path):
     assert series_py.problems(PATCHES) == []
     tests_only = [n for n in series() if only_touches_tests(PATCHES / n)]
-    assert tests_only, "no tests-only patch in the series (0110 is one)"
+    assert tests_only, "no tests-only patch in the series (0900 is one)"
     copy = tmp_path / "patches"
     shutil.copytree(PATCHES, copy)
     text = (copy / "series").read_text()
