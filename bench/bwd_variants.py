@@ -84,6 +84,10 @@ def chunk_variants(heads):
     if heads in (32, 64) and hasattr(bwd_mod, "sparse_mla_bwd_ws64"):
         # 0113: warpgroup roles with 64-row tiles (32 heads as 64 rows), dKV in line order
         v["native_ws64"] = dict(base, ws64=True, dkv_lines=True)
+        if "dkv_stages" in inspect.signature(
+            getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
+        ).parameters:  # 0114: two dKV accumulator stages (native_ws64: 0113's one)
+            v["native_ws64_s2"] = dict(base, ws64=True, dkv_lines=True, dkv_stages=2)
     return v
 
 
@@ -120,8 +124,9 @@ def build(heads, cfg):
         tilelang_sparse_mla_bwd as bwd_mod,
     )
 
-    if cfg.get("ws64"):  # wip/0113
-        return bwd_mod.sparse_mla_bwd_ws64(heads, 512, cfg["topk"], SCALE)
+    if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
+        extra = {k: cfg[k] for k in ("dkv_stages",) if k in cfg}
+        return bwd_mod.sparse_mla_bwd_ws64(heads, 512, cfg["topk"], SCALE, **extra)
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
     extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_lines") if k in cfg})
     return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE,

@@ -89,6 +89,9 @@ FEATURES = {
     "0113": ("NativeKernelOptions.bwd_ws64",
              lambda: hasattr(tilelang_utils, "NativeKernelOptions")
              and "bwd_ws64" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
+    "0114": ("NativeKernelOptions.bwd_dkv_two_stages",
+             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
+             and "bwd_dkv_two_stages" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
 }
 
 

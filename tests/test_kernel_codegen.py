@@ -501,3 +501,33 @@ def test_bwd_native_ws64_compiles_for_sm90a(sm90, heads):
     assert padded == (heads == 32)
     assert "_tail" not in src and "576" not in src and "mma_sync" not in src
     assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
+    assert "wait_wgmma" not in src  # one dKV accumulator stage: every GEMM waited for
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0114")
+def test_bwd_native_ws64_two_dkv_stages(sm90):
+    """0114: WG1's dKV chunks alternate between two 32-register accumulators issued as async
+    wgmma; each wait leaves the newer chunk's two groups in flight (the last waits for all), and
+    the finished accumulator is fenced right after its wait, before the adds read it. Same
+    shared memory as 0113's kernel, same 4-float adds."""
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # wgmma; the sm90 fixture restores it
+    topk = _round_up(2051, BWD_BLOCK)
+    try:
+        src, smem, _ = sm90(f"bwd_ws64 h64 topk {topk} sm_90a stages 2", bwd_mod.sparse_mla_bwd_ws64,
+                            64, D_V, topk, runtime_scale=True, dkv_stages=2)
+        one, one_smem, _ = sm90(f"bwd_ws64 h64 topk {topk} sm_90a", bwd_mod.sparse_mla_bwd_ws64,
+                                64, D_V, topk, runtime_scale=True)
+    finally:
+        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    assert "float acc_dkv[32];" in src and "float acc_dkv_b[32];" in src
+    assert "float acc_dkv_b[32];" not in one
+    waits = list(re.finditer(r"wait_wgmma<(\d)>\(\);", src))
+    assert sorted({m.group(1) for m in waits}) == ["0", "2"]
+    for m in waits:  # between a wait and the next read of a chunk (its reorder): the fence
+        read = re.compile(r"= \*\(float2\*\)\(acc_dkv(_b)? \+").search(src, m.end())
+        assert read and "warpgroup_fence_operand" in src[m.end():read.start()]
+    assert len(re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(acc_dkv(_b)? \+ 0\), 32\)", src)) > 0
+    assert src.count("AtomicAddx4(") > 0 and "AtomicAddx2(" not in src
+    assert _only_smem(smem) == _only_smem(one_smem)

@@ -144,6 +144,7 @@ def test_plan_is_the_glm_set(glm_plan):
                 assert c["args"][:3] == [kernel_heads, 512, 2176] and c["kwargs"]["runtime_scale"]
             elif c["kind"] == "bwd_ws64":
                 assert c["args"] == [kernel_heads, 512, 2080]
+                assert c["kwargs"] == ({"dkv_stages": 2} if has("0114") else {})
             elif c["kind"] == "fwd":
                 assert (a["heads"], a["dim"], a["topk"]) == (kernel_heads, 512, 2112)
                 assert a["tail_dim"] == (0 if route == "native" else 64)

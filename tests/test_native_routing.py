@@ -182,11 +182,11 @@ class KernelFakes:
 
         return kernel
 
-    def get_bwd_ws64(self, H, D, topk):
+    def get_bwd_ws64(self, H, D, topk, dkv_stages=1):
         # 0113's kernel: the scale at each call, dKV added in 0106's line order
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
-        self.builds[-1].update(kind="bwd_ws64")
+        self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages)
         return kernel
 
     def get_post(self, D, D_tail, kv_group, lines=False):
@@ -614,6 +614,7 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         assert fwd[0]["topk"] == _round_up(topk, 2 * BLOCK_I) and fwd[0]["runtime_scale"]
     if bwd[0]["kind"] == "bwd_ws64":
         assert bwd[0]["topk"] == _round_up(topk, BWD_BLOCK) and post[0]["lines"]
+        assert bwd[0]["dkv_stages"] == (2 if has("0114") else 1)  # 0114: two stages by default
     for c in fakes.calls:
         assert c["kv"].data_ptr() == key.data_ptr() and c["indices"].data_ptr() == idx.data_ptr()
         if heads == kernel_heads:
@@ -623,6 +624,15 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         assert (got.float() - ref).norm() / ref.norm() < 2e-2
     if not (bwd_on and rows64):
         return
+    if has("0114"):  # bwd_dkv_two_stages=False: 0113's one accumulator
+        fakes.builds.clear()
+        query3, key3, _ = _inputs(512, topk, heads, 256, 512)
+        with options(bwd_ws64=True, bwd_dkv_two_stages=False):
+            _run_hook(fakes, query3, key3, idx, scale)
+        one = [b for b in fakes.builds if b["kind"] == "bwd_ws64"]
+        assert [b["dkv_stages"] for b in one] == [1]
+        for got, want in ((query3.grad, query.grad), (key3.grad, key.grad)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same fake contract
     for env, opts in (("32", {}), (None, dict(schedule=False))):
         fakes.builds.clear()
         if env:

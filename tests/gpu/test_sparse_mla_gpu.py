@@ -100,10 +100,16 @@ def test_native_backward_head_blocks_match_fp32_reference(monkeypatch, heads, ma
 @needs("0113")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
-@pytest.mark.parametrize("fwd_ws64,bwd_ws64", [(True, False), (False, True)])
-def test_native_64_row_kernels_match_fp32_reference(monkeypatch, heads, topk, fwd_ws64, bwd_ws64):
+@pytest.mark.parametrize("fwd_ws64,bwd_ws64,stages", [(True, False, 2), (False, True, 2),
+                                                      (True, True, 1)])
+def test_native_64_row_kernels_match_fp32_reference(monkeypatch, heads, topk, fwd_ws64, bwd_ws64,
+                                                    stages):
+    """... and 0114's two dKV accumulator stages (the default) against 0113's one."""
+    extra = dict(bwd_dkv_two_stages=stages == 2) if has("0114") else {}
+    if stages == 1 and not extra:
+        pytest.skip("0113's one-stage kernel is the only one without 0114")
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + bwd_ws64, 11,
-                                           fwd_ws64=fwd_ws64, bwd_ws64=bwd_ws64)
+                                           fwd_ws64=fwd_ws64, bwd_ws64=bwd_ws64, **extra)
 
 
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row, **options):
