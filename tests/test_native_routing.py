@@ -631,8 +631,6 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
             _run_hook(fakes, query3, key3, idx, scale)
         one = [b for b in fakes.builds if b["kind"] == "bwd_ws64"]
         assert [b["dkv_stages"] for b in one] == [1]
-        for got, want in ((query3.grad, query.grad), (key3.grad, key.grad)):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same fake contract
     for env, opts in (("32", {}), (None, dict(schedule=False))):
         fakes.builds.clear()
         if env:

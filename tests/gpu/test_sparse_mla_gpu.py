@@ -104,7 +104,8 @@ def test_native_backward_head_blocks_match_fp32_reference(monkeypatch, heads, ma
                                                       (True, True, 1)])
 def test_native_64_row_kernels_match_fp32_reference(monkeypatch, heads, topk, fwd_ws64, bwd_ws64,
                                                     stages):
-    """... and 0114's two dKV accumulator stages (the default) against 0113's one."""
+    """... and 0113's backward with 0114's two dKV accumulator stages off (stages 1; with
+    bwd_ws64=False the stages field changes nothing), each against the FP32 reference."""
     extra = dict(bwd_dkv_two_stages=stages == 2) if has("0114") else {}
     if stages == 1 and not extra:
         pytest.skip("0113's one-stage kernel is the only one without 0114")
@@ -128,7 +129,8 @@ def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty
     assert torch.count_nonzero(got[1][empty_row]) == 0
 
 
-# 0105/0106: the dKV add's configurations, each against the FP32 reference: by default (0106)
+# 0105/0106: the head-block backward's dKV add (0113's kernel off where it would serve), each
+# configuration against the FP32 reference: by default (0106)
 # chunks of 16 columns a warp added 4 floats at a time from registers into a line-ordered
 # accumulator; NativeKernelOptions(bwd_dkv_lines=False): 0105's chunks (64 columns staged at a
 # 16-head block, 128 from registers at a 64-head block, whole at 32); bwd_dkv_chunks=False: the
@@ -244,7 +246,8 @@ def test_native_saved_output_matches_recompute(monkeypatch, heads):
 def test_native_batch_of_two_matches_fp32_reference(monkeypatch, heads, persist):
     """0070's forward at 16 heads walks the queries of the flattened batch x sequence
     (persistent, the default: 400 queries over one CTA an SM, so a CTA's queries cross the batch
-    boundary); at 32 heads and with NativeKernelOptions(fwd_ws_persistent=False), a CTA a query.
+    boundary); with NativeKernelOptions(fwd_ws_persistent=False), a CTA a query, as 0112's forward
+    and 0113's backward at 32 heads are.
     Each batch element against its own FP32 reference: output and gradients, and a row with no
     valid index exactly zero."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
@@ -272,7 +275,8 @@ def test_native_batch_of_two_matches_fp32_reference(monkeypatch, heads, persist)
 def test_native_out_of_range_index_counts_as_minus_one(monkeypatch, heads, sk):
     """0080: an index outside [0, sk) (past the end, or negative other than -1) is neither
     gathered nor added to: the results are those with -1 in its place, on every native kernel
-    (0070's forward at 16/32 heads, the pipelined one at 64; the backward's dKV atomics). sk = 300
+    (0070's forward at 16 heads, 0112's at 32/64; the head-block backward's and 0113's dKV
+    atomics). sk = 300
     is not a multiple of the 256-token bucket: the native route no longer pads KV, so an index in
     the bucket's padding is out of range too. A row whose every index is out of range is zero."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
