@@ -64,6 +64,12 @@ def _has_forward_arg(name):
     return sparse_mla.SparseMLA is not None and _takes(sparse_mla.SparseMLA.forward, name)
 
 
+def _has_option(field):
+    """Does the tree's NativeKernelOptions have this field?"""
+    options = getattr(tilelang_utils, "NativeKernelOptions", None)
+    return options is not None and field in options.__dataclass_fields__
+
+
 # patch number -> (what it adds, is it in the tree)
 FEATURES = {
     "0050": ("NativeKernelOptions.schedule", lambda: hasattr(tilelang_utils, "NativeKernelOptions")),
@@ -72,26 +78,14 @@ FEATURES = {
              lambda: hasattr(fwd_mod, "_get_sparse_mla_fwd_nope_ws_kernel")),
     "0080": ("_index_in_kv", lambda: hasattr(tilelang_utils, "_index_in_kv")),
     "0090": ("MCORE_DSA_CHECK_INDICES", lambda: hasattr(dsa_kernels, "_check_topk_indices")),
-    "0100": ("NativeKernelOptions.bwd_max_block_h",
-             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
-             and "bwd_max_block_h" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
-    "0105": ("NativeKernelOptions.bwd_dkv_chunks",
-             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
-             and "bwd_dkv_chunks" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
-    "0106": ("NativeKernelOptions.bwd_dkv_lines",
-             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
-             and "bwd_dkv_lines" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
+    "0100": ("NativeKernelOptions.bwd_max_block_h", lambda: _has_option("bwd_max_block_h")),
+    "0105": ("NativeKernelOptions.bwd_dkv_chunks", lambda: _has_option("bwd_dkv_chunks")),
+    "0106": ("NativeKernelOptions.bwd_dkv_lines", lambda: _has_option("bwd_dkv_lines")),
     "0107": ("SparseMLA(out_heads=)", lambda: _has_forward_arg("out_heads")),
     "0108": ("the kernels' runtime_scale", lambda: _has_arg(bwd_mod.bwd, "runtime_scale")),
-    "0112": ("NativeKernelOptions.fwd_ws64",
-             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
-             and "fwd_ws64" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
-    "0113": ("NativeKernelOptions.bwd_ws64",
-             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
-             and "bwd_ws64" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
-    "0114": ("NativeKernelOptions.bwd_dkv_two_stages",
-             lambda: hasattr(tilelang_utils, "NativeKernelOptions")
-             and "bwd_dkv_two_stages" in tilelang_utils.NativeKernelOptions.__dataclass_fields__),
+    "0112": ("NativeKernelOptions.fwd_ws64", lambda: _has_option("fwd_ws64")),
+    "0113": ("NativeKernelOptions.bwd_ws64", lambda: _has_option("bwd_ws64")),
+    "0114": ("NativeKernelOptions.bwd_dkv_two_stages", lambda: _has_option("bwd_dkv_two_stages")),
 }
 
 
