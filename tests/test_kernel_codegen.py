@@ -199,6 +199,15 @@ def test_native_schedule_keeps_the_pipeline_and_zero_fills_invalid_rows(sm90):
 
 
 
+def _sm90a(sm90, name, jit_fn, *args, **kwargs):
+    """sm90's build for sm_90a (setmaxnreg, wgmma need it), the fixture's target back after."""
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET
+    try:
+        return sm90(f"{name} sm_90a", jit_fn, *args, **kwargs)
+    finally:
+        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+
+
 def _check_setmaxnreg_budget(src):
     """setmaxnreg.inc blocks until the CTA's pool has the registers: what the consumer
     warpgroups add over the launch allocation must fit in what the producer gives back, or
@@ -223,14 +232,10 @@ def test_fwd_native_warp_specialized_compiles_for_sm90a(sm90, heads, buffers, ch
     score GEMM in `chains` independent MMA chains and the softmax; WG1 the whole P.V. Each
     warpgroup loops over its CTA's queries when persistent (ctas CTAs); with ctas = 0, a CTA a
     query, there is no query loop at all."""
-    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # the sm90 fixture restores it
     topk = _round_up(2051, buffers * BLOCK_I)
-    try:
-        src, smem, _ = sm90(f"fwd_ws h{heads} topk {topk} buffers {buffers} chains {chains} ctas {ctas} sm_90a",
-                            fwd_mod.sparse_mla_fwd_nope_ws, heads, D_V, topk, None,
-                            block_I=BLOCK_I, num_buffers=buffers, qk_chains=chains, ctas=ctas)
-    finally:
-        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    src, smem, _ = _sm90a(sm90, f"fwd_ws h{heads} topk {topk} buffers {buffers} chains {chains} ctas {ctas}",
+                          fwd_mod.sparse_mla_fwd_nope_ws, heads, D_V, topk, None,
+                          block_I=BLOCK_I, num_buffers=buffers, qk_chains=chains, ctas=ctas)
     assert "__launch_bounds__(384" in src
     # persistent: the query loop in all three warpgroups, striding by the CTA count; a query's
     # (batch, position) is worked out once a query: a division by seq_len inside the index
@@ -449,13 +454,9 @@ def test_fwd_native_ws64_compiles_for_sm90a(sm90, heads):
     early 0070 draft); both consumers store their half of the output, WG0 the LSE; the producer
     loads Q with zero-filling cp.async, predicated on the row at 32 heads (run as 64 rows, the
     rows past the heads zero and never stored). setmaxnreg fits (216/216/72)."""
-    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # the sm90 fixture restores it
     topk = _round_up(2051, 2 * BLOCK_I)
-    try:
-        src, smem, _ = sm90(f"fwd_ws64 h{heads} topk {topk} sm_90a", fwd_mod.sparse_mla_fwd_nope_ws64,
-                            heads, D_V, topk, None, block_I=BLOCK_I, runtime_scale=True)
-    finally:
-        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    src, smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk}", fwd_mod.sparse_mla_fwd_nope_ws64,
+                          heads, D_V, topk, None, block_I=BLOCK_I, runtime_scale=True)
     assert "__launch_bounds__(384" in src and "int topk_len" in src
     assert len(_scalar_params(src, "main_kernel")) == 1  # 0108: the scale at each call
     _check_setmaxnreg_budget(src)
@@ -483,13 +484,9 @@ def test_bwd_native_ws64_compiles_for_sm90a(sm90, heads):
     registers into the line-ordered accumulator with 0080's index test, no 2-float adds. At 32
     heads the tiles are 64 rows: the rows past the heads load zeros (predicated), take an
     infinite LSE (P = 0) and are not stored."""
-    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # wgmma; the sm90 fixture restores it
     topk = _round_up(2051, BWD_BLOCK)
-    try:
-        src, smem, _ = sm90(f"bwd_ws64 h{heads} topk {topk} sm_90a", bwd_mod.sparse_mla_bwd_ws64,
-                            heads, D_V, topk, runtime_scale=True)
-    finally:
-        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    src, smem, _ = _sm90a(sm90, f"bwd_ws64 h{heads} topk {topk}", bwd_mod.sparse_mla_bwd_ws64,
+                          heads, D_V, topk, runtime_scale=True)
     assert "__launch_bounds__(256" in src and "int topk_len" in src
     assert len(_scalar_params(src, "sparse_mla_bwd_kernel_kernel")) == 1  # 0108's scale
     assert src.count("AtomicAddx4(") > 0 and "AtomicAddx2(" not in src
@@ -512,15 +509,12 @@ def test_bwd_native_ws64_two_dkv_stages(sm90):
     wgmma; each wait leaves the newer chunk's two groups in flight (the last waits for all), and
     the finished accumulator is fenced right after its wait, before the adds read it. Same
     shared memory as 0113's kernel, same 4-float adds."""
-    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET  # wgmma; the sm90 fixture restores it
     topk = _round_up(2051, BWD_BLOCK)
-    try:
-        src, smem, _ = sm90(f"bwd_ws64 h64 topk {topk} sm_90a stages 2", bwd_mod.sparse_mla_bwd_ws64,
-                            64, D_V, topk, runtime_scale=True, dkv_stages=2)
-        one, one_smem, _ = sm90(f"bwd_ws64 h64 topk {topk} sm_90a", bwd_mod.sparse_mla_bwd_ws64,
-                                64, D_V, topk, runtime_scale=True)
-    finally:
-        os.environ["TILELANG_DEFAULT_TARGET"] = SM90_TARGET
+    src, smem, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2", bwd_mod.sparse_mla_bwd_ws64,
+                          64, D_V, topk, runtime_scale=True, dkv_stages=2)
+    # the same build as test_bwd_native_ws64_compiles_for_sm90a's at 64 heads (one compile)
+    one, one_smem, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk}", bwd_mod.sparse_mla_bwd_ws64,
+                              64, D_V, topk, runtime_scale=True)
     assert "float acc_dkv[32];" in src and "float acc_dkv_b[32];" in src
     assert "float acc_dkv_b[32];" not in one
     # the loop over chunk pairs is unrolled by nvcc, not in the source: one wait<2> a pair, one

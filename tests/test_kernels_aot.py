@@ -116,8 +116,9 @@ def test_plan_is_the_glm_set(glm_plan):
     """Every (route, query heads) gets its forward, delta, backward and dKV-cast kernel, as the
     wrappers build them: native 512 (top-k 2051 at run time; the warp-specialized forward at 16
     kernel heads, persistent over an H200's 132 SMs, and at 32 without 0112; 0112/0113's 64-row
-    kernels at 32 and 64) and #7617's 576 (top-k padded to 2112). 8 query heads run as 16: the same kernels, but for the native route's delta (0107: on
-    the caller's 8 heads). (The indexer's kernels of the same plan: the next test.)"""
+    kernels at 32 and 64) and #7617's 576 (top-k padded to 2112). 8 query heads run as 16: the
+    same kernels, but for the native route's delta (0107: on the caller's 8 heads). (The
+    indexer's kernels of the same plan: the next test.)"""
     _, calls = glm_plan
     calls = [c for c in calls if c["kind"] in SPARSE_MLA_KINDS]
     uses = {}

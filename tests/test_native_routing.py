@@ -624,22 +624,22 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         assert (got.float() - ref).norm() / ref.norm() < 2e-2
     if not (bwd_on and rows64):
         return
-    if has("0114"):  # bwd_dkv_two_stages=False: 0113's one accumulator
+
+    def backward_builds(**opts):
+        """The backward kernel builds of one more fwd+bwd with bwd_ws64 and opts."""
         fakes.builds.clear()
-        query3, key3, _ = _inputs(512, topk, heads, 256, 512)
-        with options(bwd_ws64=True, bwd_dkv_two_stages=False):
-            _run_hook(fakes, query3, key3, idx, scale)
-        one = [b for b in fakes.builds if b["kind"] == "bwd_ws64"]
-        assert [b["dkv_stages"] for b in one] == [1]
-    for env, opts in (("32", {}), (None, dict(schedule=False))):
-        fakes.builds.clear()
-        if env:
-            monkeypatch.setenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", env)
         query2, key2, _ = _inputs(512, topk, heads, 256, 512)
         with options(bwd_ws64=True, **opts):
             _run_hook(fakes, query2, key2, idx, scale)
-        monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
-        assert [b["kind"] for b in fakes.builds if b["kind"].startswith("bwd")] == ["bwd"]
+        return [b for b in fakes.builds if b["kind"].startswith("bwd")]
+
+    if has("0114"):  # bwd_dkv_two_stages=False: 0113's one accumulator
+        one = backward_builds(bwd_dkv_two_stages=False)
+        assert [(b["kind"], b["dkv_stages"]) for b in one] == [("bwd_ws64", 1)]
+    monkeypatch.setenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", "32")
+    assert [b["kind"] for b in backward_builds()] == ["bwd"]
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H")
+    assert [b["kind"] for b in backward_builds(schedule=False)] == ["bwd"]
 
 
 @needs_tilelang
