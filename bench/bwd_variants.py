@@ -26,6 +26,11 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   the series from .15) also native_c64l (16 heads) / native_c128l (4-float adds from registers
   into a line-ordered accumulator, the default since 0106); with WIP_PATCHES=wip/0113 at 64
   heads native_ws64 (warpgroup roles: WG0 scores, P, dS and half of dQ; WG1 the other half and dKV)
+  and native_ws64_s2 (0114: two dKV accumulator stages); with WIP_PATCHES=wip/0091 its timing
+  probes native_ws64_s2_no_atomic / _no_gather / _no_dkv (WG1 without the dKV GEMMs and adds) /
+  _no_sdp (WG0 without the S and dP GEMMs)
+--key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512
+  fp32) stay in L2 when N is small: the atomics' cost with and without L2 misses
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
@@ -88,6 +93,11 @@ def chunk_variants(heads):
             getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
         ).parameters:  # 0114: two dKV accumulator stages (native_ws64: 0113's one)
             v["native_ws64_s2"] = dict(base, ws64=True, dkv_lines=True, dkv_stages=2)
+        if "probe" in inspect.signature(
+            getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
+        ).parameters:  # wip/0091: timing probes of the two-stage kernel (wrong results)
+            for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp"):
+                v[f"native_ws64_s2_{probe}"] = dict(v["native_ws64_s2"], probe=probe)
     return v
 
 
@@ -125,7 +135,7 @@ def build(heads, cfg):
     )
 
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
-        extra = {k: cfg[k] for k in ("dkv_stages",) if k in cfg}
+        extra = {k: cfg[k] for k in ("dkv_stages", "probe") if k in cfg}
         return bwd_mod.sparse_mla_bwd_ws64(heads, 512, cfg["topk"], SCALE, **extra)
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
     extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_lines") if k in cfg})
@@ -154,6 +164,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--set", choices=["schedule", "probes", "chunks"], default="schedule")
     ap.add_argument("--only", nargs="*", help="run only these variants (and time them once)")
+    ap.add_argument("--key-range", type=int, default=0,
+                    help="take every index modulo this (0: as drawn), an L2-capacity probe")
     args = ap.parse_args()
     VARIANT_SETS["set"] = args.set
     VARIANT_SETS["only"] = args.only
@@ -176,6 +188,8 @@ def main():
     s = args.seqlen
     g = torch.Generator(device=dev).manual_seed(0)
     idx = kpool_indices(s, g, device=dev).view(1, s, 1, TOPK).contiguous()
+    if args.key_range:
+        idx = torch.where(idx >= 0, idx % args.key_range, idx)
     idx_2080 = torch.nn.functional.pad(idx, (0, 2080 - TOPK), value=-1).contiguous()
     idx_2112 = torch.nn.functional.pad(idx, (0, 2112 - TOPK), value=-1).contiguous()
     rows = []
@@ -200,6 +214,8 @@ def main():
         ref = None
         for name, cfg in variants(heads).items():
             row = dict(name=name, heads=heads, seqlen=s, index_width=TOPK, **cfg)  # cfg topk: the kernel's
+            if args.key_range:
+                row["key_range"] = args.key_range
             if (heads, name, cfg) in unfinished:
                 row["error"] = "compile did not finish in time (skipped)"
                 emit(row)
