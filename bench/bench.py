@@ -33,6 +33,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_dkv_one_stage 512/2051  the same with NativeKernelOptions(bwd_dkv_two_stages=False)
                 (without 0114: 0113's backward with one dKV accumulator), 32k/32 and 64 heads;
                 checked against the native route
+  native_wg1_dkv 512/2051  the same with NativeKernelOptions(bwd_wg0_dkv_chunks=0) (without 0115:
+                WG1 computes and adds every dKV chunk), 32k/32 and 64 heads; checked against
+                the native route
   padded_fwd / native_fwd   the same, forward only
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
@@ -497,6 +500,11 @@ def run(args):
                 add("native_dkv_one_stage", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_dkv_two_stages=False), ref=native_results()))
+            if heads in (32, 64) and L == 32768 and has_native_option("bwd_wg0_dkv_chunks"):
+                # A/B of patch 0115 (WG0 takes two of each block's dKV chunks)
+                add("native_wg1_dkv", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(bwd_wg0_dkv_chunks=0), ref=native_results()))
             if heads in (32, 64) and L == 32768 and has_native_option("bwd_ws64"):
                 # A/B of patches 0112 and 0113 (64-row tiles with warpgroup roles)
                 add("native_no_ws64", 512, 2051, fwd_bwd(

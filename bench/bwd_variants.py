@@ -28,7 +28,9 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   heads native_ws64 (warpgroup roles: WG0 scores, P, dS and half of dQ; WG1 the other half and dKV)
   and native_ws64_s2 (0114: two dKV accumulator stages); with WIP_PATCHES=wip/0091 its timing
   probes native_ws64_s2_no_atomic / _no_gather / _no_dkv (WG1 without the dKV GEMMs and adds) /
-  _no_sdp (WG0 without the S and dP GEMMs)
+  _no_sdp (WG0 without the S and dP GEMMs); with 0115 native_ws64_s2_w1/w2/w3 (WG0 computes and
+  adds the first 1/2/3 dKV chunks of each block)
+--ref NAME: the variant the others' dq/dkv are checked against (default native)
 --key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512
   fp32) stay in L2 when N is small: the atomics' cost with and without L2 misses
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
@@ -93,6 +95,11 @@ def chunk_variants(heads):
             getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
         ).parameters:  # 0114: two dKV accumulator stages (native_ws64: 0113's one)
             v["native_ws64_s2"] = dict(base, ws64=True, dkv_lines=True, dkv_stages=2)
+        if "wg0_dkv_chunks" in inspect.signature(
+            getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
+        ).parameters:  # 0115: WG0 takes the first m dKV chunks of each block
+            for m in (1, 2, 3):
+                v[f"native_ws64_s2_w{m}"] = dict(v["native_ws64_s2"], wg0_dkv_chunks=m)
         if "probe" in inspect.signature(
             getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
         ).parameters:  # wip/0091: timing probes of the two-stage kernel (wrong results)
@@ -135,7 +142,7 @@ def build(heads, cfg):
     )
 
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
-        extra = {k: cfg[k] for k in ("dkv_stages", "probe") if k in cfg}
+        extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks") if k in cfg}
         return bwd_mod.sparse_mla_bwd_ws64(heads, 512, cfg["topk"], SCALE, **extra)
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
     extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_lines") if k in cfg})
@@ -164,6 +171,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--set", choices=["schedule", "probes", "chunks"], default="schedule")
     ap.add_argument("--only", nargs="*", help="run only these variants (and time them once)")
+    ap.add_argument("--ref", help="check the variants against this one (default: native)")
     ap.add_argument("--key-range", type=int, default=0,
                     help="take every index modulo this (0: as drawn), an L2-capacity probe")
     args = ap.parse_args()
@@ -184,7 +192,7 @@ def main():
     )
 
     dev = "cuda"
-    ref_name = "native_0050" if args.set == "schedule" else "native"
+    ref_name = args.ref or ("native_0050" if args.set == "schedule" else "native")
     s = args.seqlen
     g = torch.Generator(device=dev).manual_seed(0)
     idx = kpool_indices(s, g, device=dev).view(1, s, 1, TOPK).contiguous()

@@ -86,6 +86,7 @@ FEATURES = {
     "0112": ("NativeKernelOptions.fwd_ws64", lambda: _has_option("fwd_ws64")),
     "0113": ("NativeKernelOptions.bwd_ws64", lambda: _has_option("bwd_ws64")),
     "0114": ("NativeKernelOptions.bwd_dkv_two_stages", lambda: _has_option("bwd_dkv_two_stages")),
+    "0115": ("NativeKernelOptions.bwd_wg0_dkv_chunks", lambda: _has_option("bwd_wg0_dkv_chunks")),
 }
 
 

@@ -531,3 +531,33 @@ def test_bwd_native_ws64_two_dkv_stages(sm90):
     assert "wgmma" not in src[waits[-1].end():release].replace("wait_wgmma", "")
     assert src.count("AtomicAddx4(") > 0 and "AtomicAddx2(" not in src
     assert _only_smem(smem) == _only_smem(one_smem)
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0115")
+def test_bwd_native_ws64_wg0_dkv_chunks(sm90):
+    """0115: WG0 computes and adds two of each key block's dKV chunks from its own accumulator:
+    the previous block's between issuing a gather (its cp.async arrive on bar_kv) and waiting
+    for it, the last block's after the loop, before its dQ store. WG1 adds the other six in
+    0114's pairs. Same shared memory as 0114's kernel."""
+    topk = _round_up(2051, BWD_BLOCK)
+    src, smem, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2",
+                          bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
+                          dkv_stages=2, wg0_dkv_chunks=2)
+    # the same build as test_bwd_native_ws64_two_dkv_stages's (one compile)
+    two, two_smem, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2",
+                              bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
+                              dkv_stages=2)
+    split = src.index("bar_ps[0].wait(")  # WG1's first statement of its loop
+    wg0, wg1 = src[:split], src[split:]
+    assert "float acc_dkv_0[32];" in src and "acc_dkv_0" not in wg1
+    adds = "AtomicAddx4("
+    assert wg0.count(adds) == 2 and wg1.count(adds) == two.count(adds)
+    issued, first = wg0.index("mbarrier_cp_async_arrive_noinc(bar_kv[0])"), wg0.index(adds)
+    assert issued < first < wg0.index("bar_kv[0].wait(")
+    assert "if (0 < i_i) {" in wg0[issued:first]  # the previous block's: none before the first
+    last = wg0.index(adds, first + 1)
+    assert wg0.index("bar_ps[0].arrive()") < last < wg0.index("*(uint1*)(dQ + ")
+    assert re.findall(r"wait_wgmma<(\d)>", src) == ["2", "2", "0"]  # WG1's pairs, as 0114's
+    assert _only_smem(smem) == _only_smem(two_smem)

@@ -145,7 +145,8 @@ def test_plan_is_the_glm_set(glm_plan):
                 assert c["args"][:3] == [kernel_heads, 512, 2176] and c["kwargs"]["runtime_scale"]
             elif c["kind"] == "bwd_ws64":
                 assert c["args"] == [kernel_heads, 512, 2080]
-                assert c["kwargs"] == ({"dkv_stages": 2} if has("0114") else {})
+                want = {"dkv_stages": 2} if has("0114") else {}
+                assert c["kwargs"] == (dict(want, wg0_dkv_chunks=2) if has("0115") else want)
             elif c["kind"] == "fwd":
                 assert (a["heads"], a["dim"], a["topk"]) == (kernel_heads, 512, 2112)
                 assert a["tail_dim"] == (0 if route == "native" else 64)

@@ -182,11 +182,11 @@ class KernelFakes:
 
         return kernel
 
-    def get_bwd_ws64(self, H, D, topk, dkv_stages=1):
+    def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0):
         # 0113's kernel: the scale at each call, dKV added in 0106's line order
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
-        self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages)
+        self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks)
         return kernel
 
     def get_post(self, D, D_tail, kv_group, lines=False):
@@ -615,6 +615,7 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
     if bwd[0]["kind"] == "bwd_ws64":
         assert bwd[0]["topk"] == _round_up(topk, BWD_BLOCK) and post[0]["lines"]
         assert bwd[0]["dkv_stages"] == (2 if has("0114") else 1)  # 0114: two stages by default
+        assert bwd[0]["wg0_dkv_chunks"] == (2 if has("0115") else 0)  # 0115: WG0 takes two
     for c in fakes.calls:
         assert c["kv"].data_ptr() == key.data_ptr() and c["indices"].data_ptr() == idx.data_ptr()
         if heads == kernel_heads:
@@ -636,6 +637,9 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
     if has("0114"):  # bwd_dkv_two_stages=False: 0113's one accumulator
         one = backward_builds(bwd_dkv_two_stages=False)
         assert [(b["kind"], b["dkv_stages"]) for b in one] == [("bwd_ws64", 1)]
+    if has("0115"):  # bwd_wg0_dkv_chunks=0: WG1 adds every chunk (0114's kernel)
+        wg1 = backward_builds(bwd_wg0_dkv_chunks=0)
+        assert [(b["kind"], b["wg0_dkv_chunks"]) for b in wg1] == [("bwd_ws64", 0)]
     monkeypatch.setenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", "32")
     assert [b["kind"] for b in backward_builds()] == ["bwd"]
     monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H")

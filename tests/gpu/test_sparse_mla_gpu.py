@@ -113,6 +113,18 @@ def test_native_64_row_kernels_match_fp32_reference(monkeypatch, heads, topk, fw
                                            fwd_ws64=fwd_ws64, bwd_ws64=bwd_ws64, **extra)
 
 
+# 0115: WG0 computes and adds the first m dKV chunks of each key block (2 by default, which every
+# other 32/64-head case runs); 0 is 0114's kernel, 1 and 3 leave WG1 an odd number of chunks (the
+# first on its own, then pairs).
+@needs("0115")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("wg0_chunks", [0, 1, 3])
+def test_native_backward_wg0_dkv_chunks_match_fp32_reference(monkeypatch, heads, topk, wg0_chunks):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + wg0_chunks, 7,
+                                           bwd_wg0_dkv_chunks=wg0_chunks)
+
+
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row, **options):
     """The native route's fwd+bwd with NativeKernelOptions `options` against the FP32 reference
     (200 queries, row `empty_row` without a valid index: its dq must be exactly zero)."""
