@@ -26,10 +26,11 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   the series from .15) also native_c64l (16 heads) / native_c128l (4-float adds from registers
   into a line-ordered accumulator, the default since 0106); with WIP_PATCHES=wip/0113 at 64
   heads native_ws64 (warpgroup roles: WG0 scores, P, dS and half of dQ; WG1 the other half and dKV)
-  and native_ws64_s2 (0114: two dKV accumulator stages); with WIP_PATCHES=wip/0091 its timing
-  probes native_ws64_s2_no_atomic / _no_gather / _no_dkv (WG1 without the dKV GEMMs and adds) /
-  _no_sdp (WG0 without the S and dP GEMMs); with 0115 native_ws64_s2_w1/w2/w3 (WG0 computes and
-  adds the first 1/2/3 dKV chunks of each block)
+  and native_ws64_s2 (0114: two dKV accumulator stages); with 0115 native_ws64_s2_w1/w2/w3 (WG0
+  computes and adds the first 1/2/3 dKV chunks of each block); with WIP_PATCHES=wip/0091 the
+  default kernel's timing probes (native_ws64_s2_w2_<probe> from 0115, native_ws64_s2_<probe>
+  before): _no_atomic / _no_gather / _no_dkv (no dKV GEMMs and adds) / _no_sdp (WG0 without the S
+  and dP GEMMs) / _adds_only (no gather and no GEMM)
 --ref NAME: the variant the others' dq/dkv are checked against (default native)
 --key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512
   fp32) stay in L2 when N is small: the atomics' cost with and without L2 misses
@@ -103,8 +104,10 @@ def chunk_variants(heads):
         if "probe" in inspect.signature(
             getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
         ).parameters:  # wip/0091: timing probes of the two-stage kernel (wrong results)
-            for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp"):
-                v[f"native_ws64_s2_{probe}"] = dict(v["native_ws64_s2"], probe=probe)
+            # on 0115's default (w2) where the builder has it, else on 0114's kernel
+            pbase = "native_ws64_s2_w2" if "native_ws64_s2_w2" in v else "native_ws64_s2"
+            for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp", "adds_only"):
+                v[f"{pbase}_{probe}"] = dict(v[pbase], probe=probe)
     return v
 
 
