@@ -83,6 +83,7 @@ def test_table_has_ratios_and_says_why_a_row_has_no_number(tmp_path):
     assert set(rat) == {("native", 16), ("native_fwd", 16)}  # no ratio against a declined row
     assert math.isclose(rat["native", 16]["time_ratio"], 0.9)
     assert math.isclose(rat["native", 16]["mem_ratio"], 0.5 / 16.0)
+    assert "beyond_ratio" not in rat["native", 16]  # rows without results_gib (older runs)
     path = tmp_path / "t.md"
     bench.write_table(rows, ["a note"], path)
     text = path.read_text()
@@ -92,6 +93,23 @@ def test_table_has_ratios_and_says_why_a_row_has_no_number(tmp_path):
     assert "| native / cudnn | 16 | 32768 | 0.900 |" in text
     assert "- a note" in text
     assert "| first_call_cold | 512 | 2051 | 16 | 4096 | first call 41.5 s |  |  |  |" in text
+
+
+def test_ratio_beyond_the_results_every_path_holds(tmp_path):
+    """The output and the input gradients count in every path's peak: the table also gives the
+    peak beyond them (the kernels' own workspace), where the paths differ."""
+    import bench
+
+    rows = [row("native", 64, 85.8, 4.12, results_gib=4.03),
+            row("cudnn", 64, 91.3, 16.89, results_gib=4.03)]
+    (x,) = bench.ratios(rows)
+    assert math.isclose(x["mem_ratio"], 4.12 / 16.89)
+    assert math.isclose(x["ours_beyond_gib"], 0.09) and math.isclose(x["peer_beyond_gib"], 12.86)
+    assert math.isclose(x["beyond_ratio"], 0.09 / 12.86)
+    path = tmp_path / "t.md"
+    bench.write_table(rows, [], path)
+    assert "| native / cudnn | 64 | 32768 | 0.940 | 85.8 / 91.3 | 0.244 | 4.12 / 16.89 | 0.007 | 0.09 / 12.86 |" \
+        in path.read_text()
 
 
 def test_render_rewrites_table_and_plot_from_jsonl(tmp_path):
