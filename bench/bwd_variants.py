@@ -30,7 +30,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   computes and adds the first 1/2/3 dKV chunks of each block); with WIP_PATCHES=wip/0091 the
   default kernel's timing probes (native_ws64_s2_w2_<probe> from 0115, native_ws64_s2_<probe>
   before): _no_atomic / _no_gather / _no_dkv (no dKV GEMMs and adds) / _no_sdp (WG0 without the S
-  and dP GEMMs) / _adds_only (no gather and no GEMM)
+  and dP GEMMs) / _adds_only (no gather and no GEMM); with WIP_PATCHES=wip/0116 native_ws64_addwg
+  (a third warpgroup adds dKV from a shared-memory chunk stage)
 --ref NAME: the variant the others' dq/dkv are checked against (default native)
 --key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512
   fp32) stay in L2 when N is small: the atomics' cost with and without L2 misses
@@ -101,6 +102,8 @@ def chunk_variants(heads):
         ).parameters:  # 0115: WG0 takes the first m dKV chunks of each block
             for m in (1, 2, 3):
                 v[f"native_ws64_s2_w{m}"] = dict(v["native_ws64_s2"], wg0_dkv_chunks=m)
+        if hasattr(bwd_mod, "sparse_mla_bwd_ws64_add_wg"):  # wip/0116: an add warpgroup
+            v["native_ws64_addwg"] = dict(base, add_wg=True)
         if "probe" in inspect.signature(
             getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
         ).parameters:  # wip/0091: timing probes of the two-stage kernel (wrong results)
@@ -144,6 +147,8 @@ def build(heads, cfg):
         tilelang_sparse_mla_bwd as bwd_mod,
     )
 
+    if cfg.get("add_wg"):  # wip/0116 (dKV in column order)
+        return bwd_mod.sparse_mla_bwd_ws64_add_wg(heads, 512, cfg["topk"], SCALE)
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
         extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks") if k in cfg}
         return bwd_mod.sparse_mla_bwd_ws64(heads, 512, cfg["topk"], SCALE, **extra)
