@@ -118,6 +118,14 @@ def _only_smem(smem):
     return next(iter(smem.values()))
 
 
+def _smem_regions(src):
+    """{buffer: (start, end)} of the shared-memory buffers a kernel carves out of its dynamic
+    allocation, from the generated CUDA and the buffers' declarations."""
+    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src))
+    starts = sorted((int(o), name) for name, o in offsets.items())
+    return {name: (start, nxt) for (start, name), (nxt, _) in zip(starts, starts[1:] + [(None, None)])}
+
+
 def _has_sm90_mma(src):
     return "mma_sync" in src or "wgmma" in src
 
@@ -499,6 +507,14 @@ def test_bwd_native_ws64_compiles_for_sm90a(sm90, heads):
     assert "_tail" not in src and "576" not in src and "mma_sync" not in src
     assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
     assert "wait_wgmma" not in src  # one dKV accumulator stage: every GEMM waited for
+    # the warpgroups use these buffers at the same time: the backward's aggressive shared-memory
+    # merge (lifetime-based reuse, blind to warp specialization) must not have overlaid any two
+    sizes = dict(Q_shared=64 * 512 * 2, dO_shared=64 * 512 * 2, KV_shared=64 * 512 * 2,
+                 P_shared=64 * 64 * 2, dS_shared=64 * 64 * 2)
+    regions = _smem_regions(src)
+    assert set(regions) == set(sizes)
+    for name, (start, end) in regions.items():
+        assert (end or _only_smem(smem)) - start >= sizes[name], regions
 
 
 @needs_tilelang
