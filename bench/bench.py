@@ -35,6 +35,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_dkv_one_stage 512/2051  the same with NativeKernelOptions(bwd_dkv_two_stages=False)
                 (without 0114: 0113's backward with one dKV accumulator), 32k/32 and 64 heads;
                 checked against the native route
+  native_add_wg 512/2051  with wip/0116 applied: NativeKernelOptions(bwd_add_warpgroup=True) (a third
+                warpgroup adds dKV), 32k/32 and 64 heads; checked against the native route
   native_wg1_dkv 512/2051  the same with NativeKernelOptions(bwd_wg0_dkv_chunks=0) (without 0115:
                 WG1 computes and adds every dKV chunk), 32k/32 and 64 heads; checked against
                 the native route
@@ -512,6 +514,11 @@ def run(args):
                 add("native_wg1_dkv", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_wg0_dkv_chunks=0), ref=native_results()))
+            if heads in (32, 64) and L == 32768 and has_native_option("bwd_add_warpgroup"):
+                # wip/0116 (a draft): the backward with an add warpgroup
+                add("native_add_wg", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(bwd_add_warpgroup=True), ref=native_results()))
             if heads in (32, 64) and L == 32768 and has_native_option("bwd_ws64"):
                 # A/B of patches 0112 and 0113 (64-row tiles with warpgroup roles)
                 add("native_no_ws64", 512, 2051, fwd_bwd(

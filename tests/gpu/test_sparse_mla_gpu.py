@@ -11,7 +11,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import tilelan
 from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
     override_native_kernel_options,
 )
-from native_kernels import has, needs
+from native_kernels import _has_option, has, needs
 from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
@@ -123,6 +123,17 @@ def test_native_64_row_kernels_match_fp32_reference(monkeypatch, heads, topk, fw
 def test_native_backward_wg0_dkv_chunks_match_fp32_reference(monkeypatch, heads, topk, wg0_chunks):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + wg0_chunks, 7,
                                            bwd_wg0_dkv_chunks=wg0_chunks)
+
+
+# wip/0116 (a draft, not in the series): the backward with an add warpgroup, in runs that apply it
+# with WIP_PATCHES
+@pytest.mark.skipif(not _has_option("bwd_add_warpgroup"),
+                    reason="wip/0116 (NativeKernelOptions.bwd_add_warpgroup) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_native_backward_add_warpgroup_matches_fp32_reference(monkeypatch, heads, topk):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 5, 3,
+                                           bwd_add_warpgroup=True)
 
 
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row, **options):
