@@ -11,7 +11,8 @@ same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
 with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
-ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off), flashmla. Writes
+ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_sa: its score GEMM's
+halves asynchronous, with WIP_PATCHES=wip/0117-fwd-ws64-score-async.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -48,6 +49,8 @@ VARIANTS = {
     "ws3_w_np": (True, {}),
     # 0112 (NativeKernelOptions.fwd_ws64): 64-row tiles, two consumer warpgroups, 32/64 heads
     "ws64": (False, {}),
+    # wip/0117 (NativeKernelOptions.fwd_ws64_score_async): its score GEMM's halves asynchronous
+    "ws64_sa": (False, {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
 
@@ -56,7 +59,7 @@ def runs_at(name, heads):
     """The variants built for some head counts only: three buffers at 16, 64-row tiles at 32/64."""
     if name in THREE_BUFFERS:
         return heads == 16
-    return heads in (32, 64) if name == "ws64" else True
+    return heads in (32, 64) if name.startswith("ws64") else True
 
 
 def call(fwd_mod, name, q, kv, idx):
@@ -70,8 +73,8 @@ def call(fwd_mod, name, q, kv, idx):
     ws, kw = VARIANTS[name]
     opts = dict(fwd_warp_specialized=ws)
     if "fwd_ws64" in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
-        opts["fwd_ws64"] = name == "ws64"  # on by default at 32/64 heads: off for the others
-    elif name == "ws64":
+        opts["fwd_ws64"] = name.startswith("ws64")  # on by default at 32/64 heads: off for the others
+    elif name.startswith("ws64"):
         raise RuntimeError(f"{name} needs patch 0112 (NativeKernelOptions.fwd_ws64)")
     if ws:
         opts.update(fwd_ws_buffers=3 if name in THREE_BUFFERS else 2,
@@ -81,6 +84,10 @@ def call(fwd_mod, name, q, kv, idx):
             if "fwd_ws_mma" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
                 raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
             opts["fwd_ws_mma"] = "wgmma"
+    if name == "ws64_sa":
+        if "fwd_ws64_score_async" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
+            raise RuntimeError(f"{name} needs wip/0117-fwd-ws64-score-async.patch (WIP_PATCHES=)")
+        opts["fwd_ws64_score_async"] = True
     with override_native_kernel_options(**opts):
         return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
