@@ -11,8 +11,8 @@ same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
 with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
-ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_sa: its score GEMM's
-halves asynchronous, with WIP_PATCHES=wip/0117-fwd-ws64-score-async.patch), flashmla. Writes
+ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_async: FlashMLA's GEMM
+waits, with WIP_PATCHES=wip/0117-fwd-ws64-async-gemms.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -49,8 +49,8 @@ VARIANTS = {
     "ws3_w_np": (True, {}),
     # 0112 (NativeKernelOptions.fwd_ws64): 64-row tiles, two consumer warpgroups, 32/64 heads
     "ws64": (False, {}),
-    # wip/0117 (NativeKernelOptions.fwd_ws64_score_async): its score GEMM's halves asynchronous
-    "ws64_sa": (False, {}),
+    # wip/0117 (NativeKernelOptions.fwd_ws64_async_gemms): FlashMLA's GEMM waits
+    "ws64_async": (False, {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
 
@@ -84,10 +84,10 @@ def call(fwd_mod, name, q, kv, idx):
             if "fwd_ws_mma" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
                 raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
             opts["fwd_ws_mma"] = "wgmma"
-    if name == "ws64_sa":
-        if "fwd_ws64_score_async" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
-            raise RuntimeError(f"{name} needs wip/0117-fwd-ws64-score-async.patch (WIP_PATCHES=)")
-        opts["fwd_ws64_score_async"] = True
+    if name == "ws64_async":
+        if "fwd_ws64_async_gemms" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
+            raise RuntimeError(f"{name} needs wip/0117-fwd-ws64-async-gemms.patch (WIP_PATCHES=)")
+        opts["fwd_ws64_async_gemms"] = True
     with override_native_kernel_options(**opts):
         return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
