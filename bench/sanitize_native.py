@@ -11,13 +11,20 @@ check. As scripts/gpu_run.sh sanitize runs it:
 cases only (the backward's line-ordered dKV add at 128 threads, 0106; 0112-0114's 64-row kernels
 at 32 heads, run as 64 rows, and at 64, with top-k 257: more than one block pair), with fewer
 queries.
+--option NAME=VALUE (repeatable): run every case with that NativeKernelOptions field (a Python
+literal), e.g. a draft's kernel that a WIP_PATCHES run applied.
 """
+import ast
+import contextlib
 import os
 import sys
 
 import torch
 
 from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
+    override_native_kernel_options,
+)
 
 
 def fwd_bwd(q0, k0, idx, do):
@@ -30,8 +37,20 @@ def fwd_bwd(q0, k0, idx, do):
 
 os.environ["MCORE_DSA_TILELANG_NOPE"] = "native"
 failed = []
+argv = sys.argv[1:]
+options = {}
+for i, a in enumerate(argv):
+    if a == "--option":
+        name, _, value = argv[i + 1].partition("=")
+        options[name] = ast.literal_eval(value)
+if options:
+    print(f"NativeKernelOptions: {options}", flush=True)
+# held for the whole run (an unreferenced context manager would be closed, and the options
+# restored, as soon as it is collected)
+OPTIONS = contextlib.ExitStack()
+OPTIONS.enter_context(override_native_kernel_options(**options))
 CASES = ((300, 16, 2051), (256, 8, 65), (512, 64, 127), (300, 32, 2051))
-if "--quick" in sys.argv[1:]:
+if "--quick" in argv:
     # top-k 257 at 32/64 heads: three 64-key block pairs, so 0112's forward reuses its KV halves,
     # P and max buffers and runs both phases of its barriers
     CASES = ((64, 16, 2051), (64, 32, 257), (64, 64, 257))

@@ -92,14 +92,20 @@ if has sanitize; then
   # compute-sanitizer with --error-exitcode: an error it finds, a failed check in the script or a
   # run that does not finish in SANITIZE_TIMEOUT seconds fails the job (and the command)
   cs=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
-  # SANITIZE_RUNS: TOOL:SCRIPT[:ARG] each (racecheck:sanitize_ws:--quick)
+  # SANITIZE_RUNS: TOOL:SCRIPT[:ARGS] each, ARGS comma-separated
+  # (racecheck:sanitize_native:--quick,--option,bwd_add_warpgroup=True)
+  n=0
   for run in ${SANITIZE_RUNS:-memcheck:sanitize_native memcheck:sanitize_ws synccheck:sanitize_ws racecheck:sanitize_ws}; do
     IFS=: read -r tool prog arg <<<"$run"
+    IFS=, read -ra sargs <<<"$arg"
+    n=$((n + 1))
+    log="$out/sanitizer-$tool-$prog.log"
+    [ ! -e "$log" ] || log="$out/sanitizer-$tool-$prog-$n.log"  # the same tool and script again
     # no caching allocator: an access past a tensor that stays inside a cached segment would be
     # invisible to memcheck
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-400}" "$cs" --tool "$tool" --error-exitcode 1 "$py" "bench/$prog.py" ${arg:+"$arg"} \
-      >"$out/sanitizer-$tool-$prog.log" 2>&1 || failed "sanitizer $tool $prog"
-    summary="$summary; $tool $prog: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool-$prog.log" | tail -n 1)"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-400}" "$cs" --tool "$tool" --error-exitcode 1 "$py" "bench/$prog.py" "${sargs[@]}" \
+      >"$log" 2>&1 || failed "sanitizer $tool $prog"
+    summary="$summary; $tool $prog ${arg:+($arg)}: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 1)"
   done
 fi
 if has bench; then

@@ -20,25 +20,27 @@ case "$args" in
   *bench/fwd_variants.py*) fail fwd ;;
   *bench/bench.py*) fail bench ;;
   *"-m pytest tests/gpu"*) echo "1 passed"; fail tests ;;
-  *bench/sanitize_*) fail sanitize ;;
+  *bench/sanitize_*) [ -z "${ARGS_LOG:-}" ] || echo "$args" >>"$ARGS_LOG"; fail sanitize ;;
 esac
 exit 0
 """
 
 FAKE_CS = r"""#!/usr/bin/env bash
 # stand-in compute-sanitizer: runs the program (the stand-in python) and reports
-"${@: -2}" && echo "========= ERROR SUMMARY: 0 errors"
+shift 4  # --tool T --error-exitcode 1: the program and its arguments follow
+"$@" && echo "========= ERROR SUMMARY: 0 errors"
 """
 
 
-def run(tmp_path, jobs, fail=""):
+def run(tmp_path, jobs, fail="", **env_extra):
     for name, text in (("python", FAKE_PY), ("compute-sanitizer", FAKE_CS)):
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(0o755)
     (tmp_path / "fake.whl").write_text("")
     env = dict(os.environ, PYTHON=str(tmp_path / "python"), FAIL=fail,
                COMPUTE_SANITIZER=str(tmp_path / "compute-sanitizer"),
-               INSTALL_SITE=str(tmp_path / "site"), TEST_WHEEL=str(tmp_path / "fake.whl"))
+               INSTALL_SITE=str(tmp_path / "site"), TEST_WHEEL=str(tmp_path / "fake.whl"),
+               **env_extra)
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), jobs, str(tmp_path / "out")],
                           env=env, cwd=ROOT, capture_output=True, text=True)
 
@@ -63,6 +65,18 @@ def test_a_failed_job_is_not_hidden_by_a_later_passing_one(tmp_path):
     proc = run(tmp_path, ALL, fail="variants")  # the tests job runs after it and passes
     assert proc.returncode != 0
     assert "[FAILED: variants]" in proc.stdout
+
+
+def test_sanitize_runs_pass_their_arguments_and_keep_each_log(tmp_path):
+    """SANITIZE_RUNS' ARGS are comma-separated (a draft's option for the same script), and a
+    second run of the same tool and script gets a log of its own."""
+    runs = "racecheck:sanitize_native:--quick racecheck:sanitize_native:--quick,--option,x=True"
+    proc = run(tmp_path, "sanitize", SANITIZE_RUNS=runs, ARGS_LOG=str(tmp_path / "args"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "args").read_text().splitlines() == [
+        "bench/sanitize_native.py --quick", "bench/sanitize_native.py --quick --option x=True"]
+    logs = sorted(p.name for p in (tmp_path / "out").glob("sanitizer-*.log"))
+    assert logs == ["sanitizer-racecheck-sanitize_native-2.log", "sanitizer-racecheck-sanitize_native.log"]
 
 
 def test_a_failed_precompile_stops_before_the_jobs(tmp_path):
