@@ -93,20 +93,17 @@ def chunk_variants(heads):
     if heads in (32, 64) and hasattr(bwd_mod, "sparse_mla_bwd_ws64"):
         # 0113: warpgroup roles with 64-row tiles (32 heads as 64 rows), dKV in line order
         v["native_ws64"] = dict(base, ws64=True, dkv_lines=True)
-        if "dkv_stages" in inspect.signature(
+        ws64 = inspect.signature(
             getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
-        ).parameters:  # 0114: two dKV accumulator stages (native_ws64: 0113's one)
+        ).parameters
+        if "dkv_stages" in ws64:  # 0114: two dKV accumulator stages (native_ws64: 0113's one)
             v["native_ws64_s2"] = dict(base, ws64=True, dkv_lines=True, dkv_stages=2)
-        if "wg0_dkv_chunks" in inspect.signature(
-            getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
-        ).parameters:  # 0115: WG0 takes the first m dKV chunks of each block
+        if "wg0_dkv_chunks" in ws64:  # 0115: WG0 takes the first m dKV chunks of each block
             for m in (1, 2, 3):
                 v[f"native_ws64_s2_w{m}"] = dict(v["native_ws64_s2"], wg0_dkv_chunks=m)
         if hasattr(bwd_mod, "sparse_mla_bwd_ws64_add_wg"):  # wip/0116: an add warpgroup
             v["native_ws64_addwg"] = dict(base, add_wg=True)
-        if "probe" in inspect.signature(
-            getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
-        ).parameters:  # wip/0091: timing probes of the two-stage kernel (wrong results)
+        if "probe" in ws64:  # wip/0091: timing probes of the two-stage kernel (wrong results)
             # on 0115's default (w2) where the builder has it, else on 0114's kernel
             pbase = "native_ws64_s2_w2" if "native_ws64_s2_w2" in v else "native_ws64_s2"
             for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp", "adds_only"):

@@ -14,6 +14,7 @@ queries.
 --option NAME=VALUE (repeatable): run every case with that NativeKernelOptions field (a Python
 literal), e.g. a draft's kernel that a WIP_PATCHES run applied.
 """
+import argparse
 import ast
 import contextlib
 import os
@@ -37,12 +38,11 @@ def fwd_bwd(q0, k0, idx, do):
 
 os.environ["MCORE_DSA_TILELANG_NOPE"] = "native"
 failed = []
-argv = sys.argv[1:]
-options = {}
-for i, a in enumerate(argv):
-    if a == "--option":
-        name, _, value = argv[i + 1].partition("=")
-        options[name] = ast.literal_eval(value)
+ap = argparse.ArgumentParser()
+ap.add_argument("--quick", action="store_true")
+ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE")
+args = ap.parse_args()
+options = {name: ast.literal_eval(value) for name, _, value in (o.partition("=") for o in args.option)}
 if options:
     print(f"NativeKernelOptions: {options}", flush=True)
 # held for the whole run (an unreferenced context manager would be closed, and the options
@@ -50,7 +50,7 @@ if options:
 OPTIONS = contextlib.ExitStack()
 OPTIONS.enter_context(override_native_kernel_options(**options))
 CASES = ((300, 16, 2051), (256, 8, 65), (512, 64, 127), (300, 32, 2051))
-if "--quick" in argv:
+if args.quick:
     # top-k 257 at 32/64 heads: three 64-key block pairs, so 0112's forward reuses its KV halves,
     # P and max buffers and runs both phases of its barriers
     CASES = ((64, 16, 2051), (64, 32, 257), (64, 64, 257))
