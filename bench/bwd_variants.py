@@ -31,7 +31,12 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   default kernel's timing probes (native_ws64_s2_w2_<probe> from 0115, native_ws64_s2_<probe>
   before): _no_atomic / _no_gather / _no_dkv (no dKV GEMMs and adds) / _no_sdp (WG0 without the S
   and dP GEMMs) / _adds_only (no gather and no GEMM); with WIP_PATCHES=wip/0116 native_ws64_addwg
-  (a third warpgroup adds dKV from a shared-memory chunk stage)
+  (a third warpgroup adds dKV from a shared-memory chunk stage); with WIP_PATCHES=wip/0118
+  native_ws64_tma / native_ws64_s2_tma (WG1's dKV chunks added by the TMA unit from a shared stage,
+  cp.reduce.async.bulk, one 256-byte row a thread; one and two accumulator stages); with
+  WIP_PATCHES=wip/0119-l2-hints.patch native_ws64_s2_w2_l2<tag> (0115's kernel with L2 eviction
+  hints, L2_HINTS);
+  with WIP_PATCHES=wip/0120 native_ws64_s2_w2_hi (WG1 loads a block's indices once, not per chunk)
 --ref NAME: the variant the others' dq/dkv are checked against (default native)
 --key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512
   fp32) stay in L2 when N is small: the atomics' cost with and without L2 misses
@@ -101,6 +106,14 @@ def chunk_variants(heads):
         if "wg0_dkv_chunks" in ws64:  # 0115: WG0 takes the first m dKV chunks of each block
             for m in (1, 2, 3):
                 v[f"native_ws64_s2_w{m}"] = dict(v["native_ws64_s2"], wg0_dkv_chunks=m)
+        if hasattr(bwd_mod, "sparse_mla_bwd_ws64_tma"):  # wip/0118: TMA bulk adds, column order
+            v["native_ws64_tma"] = dict(base, ws64=True, tma_dkv_add=True)
+            v["native_ws64_s2_tma"] = dict(base, ws64=True, tma_dkv_add=True, dkv_stages=2)
+        if "hoist_indices" in ws64:  # wip/0120: WG1 loads a block's indices once, not per chunk
+            v["native_ws64_s2_w2_hi"] = dict(v["native_ws64_s2_w2"], hoist_indices=True)
+        if "l2_hint" in ws64:  # wip/0119-l2-hints: L2 eviction hints on 0115's default kernel
+            for tag, mode in L2_HINTS.items():
+                v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)
         if hasattr(bwd_mod, "sparse_mla_bwd_ws64_add_wg"):  # wip/0116: an add warpgroup
             v["native_ws64_addwg"] = dict(base, add_wg=True)
         if "probe" in ws64:  # wip/0091: timing probes of the two-stage kernel (wrong results)
@@ -112,6 +125,16 @@ def chunk_variants(heads):
 
 
 VARIANT_SETS = {}
+# wip/0119's modes: the dKV adds evict_last; the KV gather evict_first / evict_last; Q and dO
+# evict_first
+L2_HINTS = {
+    "al": "acc_last",
+    "kf": "kv_first+q_first",
+    "al_kf": "acc_last+kv_first+q_first",
+    "kl": "kv_last",
+    "al_kfpf": "acc_last+kv_first+pf256+q_first",  # pf256: the gather with a 256-byte L2 prefetch
+    "kfpf": "kv_first+pf256+q_first",
+}
 
 
 def variants(heads):
@@ -147,8 +170,10 @@ def build(heads, cfg):
     if cfg.get("add_wg"):  # wip/0116 (dKV in column order)
         return bwd_mod.sparse_mla_bwd_ws64_add_wg(heads, 512, cfg["topk"], SCALE)
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
-        extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks") if k in cfg}
-        return bwd_mod.sparse_mla_bwd_ws64(heads, 512, cfg["topk"], SCALE, **extra)
+        extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks", "tma_dkv_add", "l2_hint",
+                                      "hoist_indices") if k in cfg}
+        builder = bwd_mod.sparse_mla_bwd_ws64_tma if cfg.get("tma_dkv_add") else bwd_mod.sparse_mla_bwd_ws64
+        return builder(heads, 512, cfg["topk"], SCALE, **extra)
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
     extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_lines") if k in cfg})
     return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE,
