@@ -2,6 +2,12 @@
 tree, compiled for sm_90a on any host (no GPU needed: TileLang lowers, nvcc compiles).
 
   python bench/ptxas_report.py [--only NAME ...]
+  python bench/ptxas_report.py --builder sparse_mla_bwd_ws64 --args '{"H": 64, "D": 512, "topk": 2051}'
+      [--cuda FILE] [--sass FILE]
+
+The second form builds any builder of the backward or forward module with the given keyword
+arguments (a draft's new ones too) and also counts SASS instructions that matter here (spill
+STL/LDL, HGMMA, RED, SHFL, BAR); --cuda / --sass keep the generated CUDA and the disassembly.
 
 Each config builds one kernel through the tree's own builders (the arguments the wrappers pass),
 takes TileLang's generated CUDA and compiles it again with `nvcc --cubin -Xptxas -v`, then prints
@@ -86,12 +92,69 @@ def ptxas(kernel):
     return regs, spill, smem, text
 
 
+def _cuobjdump():
+    import shutil
+
+    import triton
+
+    found = shutil.which("cuobjdump")
+    return found or os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+
+
+def sass_counts(kernel, sass_path=None):
+    """Counts of a few SASS opcodes in the kernel compiled for sm_90a (cuobjdump from the CUDA
+    toolkit, or the one triton ships)."""
+    src = kernel.get_kernel_source()
+    with tempfile.TemporaryDirectory() as tmp:
+        cu, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
+        with open(cu, "w") as f:
+            f.write(src)
+        subprocess.run(["nvcc", "--cubin", "-std=c++20", "-w", "-O3", "-gencode",
+                        "arch=compute_90a,code=sm_90a", "-I" + TILELANG_TEMPLATE_PATH,
+                        "-I" + CUTLASS_INCLUDE_DIR, "-o", cubin, cu], check=True)
+        sass = subprocess.run([_cuobjdump(), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    if sass_path:
+        with open(sass_path, "w") as f:
+            f.write(sass)
+    ops = {"STL": r"\bSTL", "LDL": r"\bLDL", "HGMMA": r"\bHGMMA", "RED": r"\bREDG?\b|\bRED\.",
+           "SHFL": r"\bSHFL", "BAR": r"\bBAR\.", "SYNCS": r"\bSYNCS"}
+    return {k: len(re.findall(v, sass)) for k, v in ops.items()}
+
+
+def build_one(args):
+    import json
+
+    mod = bwd_mod if hasattr(bwd_mod, args.builder) else fwd_mod
+    kw = json.loads(args.args)
+    t0 = time.time()
+    kernel = getattr(mod, args.builder)(**kw)
+    if args.cuda:
+        with open(args.cuda, "w") as f:
+            f.write(kernel.get_kernel_source())
+    regs, spill, smem, text = ptxas(kernel)
+    dyn = [int(f.attrs["dyn_shared_memory_buf"])
+           for _, f in kernel.artifact.device_mod.functions.items()
+           if "dyn_shared_memory_buf" in f.attrs]
+    print(f"{args.builder} {args.args}: regs={regs} spill(st,ld)={spill} static_smem={smem} "
+          f"dyn_smem={dyn} sass={sass_counts(kernel, args.sass)} ({time.time() - t0:.0f} s)",
+          flush=True)
+    if args.raw:
+        print(text)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--raw", action="store_true", help="print ptxas's own output too")
+    ap.add_argument("--builder", help="a builder of the bwd or fwd module, built with --args")
+    ap.add_argument("--args", default="{}", help="the builder's keyword arguments, as JSON")
+    ap.add_argument("--cuda", help="write the generated CUDA here (--builder)")
+    ap.add_argument("--sass", help="write the SASS here (--builder)")
     args = ap.parse_args()
     tilelang.disable_cache()
+    if args.builder:
+        return build_one(args)
     for name, build in CONFIGS.items():
         if args.only and name not in args.only:
             continue
