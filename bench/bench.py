@@ -37,6 +37,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 checked against the native route
   native_add_wg 512/2051  with wip/0116 applied: NativeKernelOptions(bwd_add_warpgroup=True) (a third
                 warpgroup adds dKV), 32k/32 and 64 heads; checked against the native route
+  native_heads_as_n 512/2051  with wip/0122 applied: NativeKernelOptions(bwd_heads_as_n=True) (the
+                16/32-head backward with the heads as the GEMMs' N; 8 heads as 16), 8, 16 and
+                32 heads at every length; checked against the native route
   native_wg1_dkv 512/2051  the same with NativeKernelOptions(bwd_wg0_dkv_chunks=0) (without 0115:
                 WG1 computes and adds every dKV chunk), 32k/32 and 64 heads; checked against
                 the native route
@@ -519,6 +522,12 @@ def run(args):
                 add("native_add_wg", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_add_warpgroup=True), ref=native_results()))
+            if heads in (8, 16, 32) and has_native_option("bwd_heads_as_n") and wanted(
+                    "native_heads_as_n"):
+                # wip/0122 (a draft): the 16/32-head backward with the heads as the GEMMs' N
+                add("native_heads_as_n", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(bwd_heads_as_n=True), ref=native_results()))
             if heads in (32, 64) and L == 32768 and has_native_option("bwd_ws64"):
                 # A/B of patches 0112 and 0113 (64-row tiles with warpgroup roles)
                 add("native_no_ws64", 512, 2051, fwd_bwd(

@@ -36,7 +36,10 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   cp.reduce.async.bulk, one 256-byte row a thread; one and two accumulator stages); with
   WIP_PATCHES=wip/0119-l2-hints.patch native_ws64_s2_w2_l2<tag> (0115's kernel with L2 eviction
   hints, L2_HINTS);
-  with WIP_PATCHES=wip/0120 native_ws64_s2_w2_hi (WG1 loads a block's indices once, not per chunk)
+  with WIP_PATCHES=wip/0120 native_ws64_s2_w2_hi (WG1 loads a block's indices once, not per chunk);
+  with WIP_PATCHES=wip/0122 at 16 and 32 heads native_ws64t_w2/w3/w4 and _s1_w2 (the heads as
+  the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage)
+  and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two CTAs an SM)
 --ref NAME: the variant the others' dq/dkv are checked against (default native)
 --key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512
   fp32) stay in L2 when N is small: the atomics' cost with and without L2 misses
@@ -121,6 +124,17 @@ def chunk_variants(heads):
             pbase = "native_ws64_s2_w2" if "native_ws64_s2_w2" in v else "native_ws64_s2"
             for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp", "adds_only"):
                 v[f"{pbase}_{probe}"] = dict(v[pbase], probe=probe)
+    if heads in (16, 32) and hasattr(bwd_mod, "sparse_mla_bwd_ws64t"):
+        # wip/0122: the heads as the GEMMs' N (64-key tiles, no zero rows), dKV in line order;
+        # _s1: one dKV accumulator stage, _w<m>: WG0 takes m chunks, _c2: two CTAs an SM
+        t = dict(base, ws64t=True, dkv_lines=True)
+        for m in (2, 3, 4):
+            v[f"native_ws64t_w{m}"] = dict(t, dkv_stages=2, wg0_dkv_chunks=m)
+        v["native_ws64t_s1_w2"] = dict(t, dkv_stages=1, wg0_dkv_chunks=2)
+        if heads == 16:  # 101 KB of shared memory a CTA
+            for s_, m in ((2, 2), (1, 2), (1, 4)):
+                v[f"native_ws64t_s{s_}_w{m}_c2"] = dict(t, dkv_stages=s_, wg0_dkv_chunks=m,
+                                                        ctas_per_sm=2)
     return v
 
 
@@ -169,6 +183,9 @@ def build(heads, cfg):
 
     if cfg.get("add_wg"):  # wip/0116 (dKV in column order)
         return bwd_mod.sparse_mla_bwd_ws64_add_wg(heads, 512, cfg["topk"], SCALE)
+    if cfg.get("ws64t"):  # wip/0122
+        extra = {k: cfg[k] for k in ("dkv_stages", "wg0_dkv_chunks", "ctas_per_sm") if k in cfg}
+        return bwd_mod.sparse_mla_bwd_ws64t(heads, 512, cfg["topk"], SCALE, **extra)
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
         extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks", "tma_dkv_add", "l2_hint",
                                       "hoist_indices") if k in cfg}

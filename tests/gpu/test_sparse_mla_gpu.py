@@ -136,6 +136,22 @@ def test_native_backward_add_warpgroup_matches_fp32_reference(monkeypatch, heads
                                            bwd_add_warpgroup=True)
 
 
+# wip/0122 (a draft, not in the series): the 16/32-head backward with the heads as the GEMMs' N,
+# in runs that apply it with WIP_PATCHES; 8 heads reach it as 16 (the hook pads them). Each
+# accumulator-stage / WG0-chunk split it can be built with, as 0114's and 0115's have.
+@pytest.mark.skipif(not _has_option("bwd_heads_as_n"),
+                    reason="wip/0122 (NativeKernelOptions.bwd_heads_as_n) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [8, 16, 32])
+@pytest.mark.parametrize("stages,wg0_chunks", [(2, 2), (1, 2), (2, 3), (2, 0)])
+def test_native_backward_heads_as_n_matches_fp32_reference(monkeypatch, heads, topk, stages,
+                                                           wg0_chunks):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk,
+                                           heads + topk + 3 * wg0_chunks + stages, 5,
+                                           bwd_heads_as_n=True, bwd_dkv_two_stages=stages == 2,
+                                           bwd_wg0_dkv_chunks=wg0_chunks)
+
+
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row, **options):
     """The native route's fwd+bwd with NativeKernelOptions `options` against the FP32 reference
     (200 queries, row `empty_row` without a valid index: its dq must be exactly zero)."""
