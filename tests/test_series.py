@@ -236,3 +236,22 @@ def test_the_tests_section_lists_exactly_the_tests_only_patches(tmp_path):
     text = (copy / "series").read_text()
     (copy / "series").write_text(tests_only[0] + "\n" + text.replace(tests_only[0] + "\n", ""))
     assert [p for p in series_py.problems(copy) if tests_only[0] in p and "above" in p]
+
+
+def test_wip_stack_applies_on_the_series(pristine, tmp_path):
+    """The drafts wip/STACK lists (what the next GPU session applies with WIP_PATCHES, in that
+    order) apply on top of the series with its patch options (fuzz 0) and at no offset: a draft
+    that a series change broke fails here, on CPU, not in a GPU call."""
+    stack = [line.split("#")[0].strip() for line in (ROOT / "wip" / "STACK").read_text().splitlines()]
+    stack = [name for name in stack if name]
+    assert stack, "wip/STACK lists no draft"
+    tree = tmp_path / "t"
+    shutil.copytree(pristine, tree, symlinks=True)
+    proc = script("apply_patches.sh", tree)
+    assert proc.returncode == 0, proc.stderr
+    for name in stack:
+        proc = subprocess.run(["patch", "-d", str(tree), *series_py.PATCH_ARGS, "-N", "-i",
+                               str(ROOT / "wip" / name)], capture_output=True, text=True)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"wip/{name} does not apply on the series: {out}"
+        assert "offset" not in out and "fuzz" not in out, f"wip/{name}: {out}"
