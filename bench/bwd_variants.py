@@ -37,6 +37,9 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   WIP_PATCHES=wip/0119-l2-hints.patch native_ws64_s2_w2_l2<tag> (0115's kernel with L2 eviction
   hints, L2_HINTS);
   with WIP_PATCHES=wip/0120 native_ws64_s2_w2_hi (WG1 loads a block's indices once, not per chunk);
+  with WIP_PATCHES=wip/0121 native_ws64_s2_w2_ef / _hi_ef (Q, dO and the KV gather evict_first in
+  L2) and _ph<t> / _hi_ef_ph<t> (a CTA's first key block from the global timer, --block-phase-ns;
+  --unsorted shuffles each query's indices);
   with WIP_PATCHES=wip/0122 at 16 and 32 heads native_ws64t_w2/w3/w4 and _s1_w2 (the heads as
   the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage)
   and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two CTAs an SM)
@@ -113,8 +116,16 @@ def chunk_variants(heads):
         if hasattr(bwd_mod, "sparse_mla_bwd_ws64_tma"):  # wip/0118: TMA bulk adds, column order
             v["native_ws64_tma"] = dict(base, ws64=True, tma_dkv_add=True)
             v["native_ws64_s2_tma"] = dict(base, ws64=True, tma_dkv_add=True, dkv_stages=2)
-        if "hoist_indices" in ws64:  # wip/0120: WG1 loads a block's indices once, not per chunk
+        if "hoist_indices" in ws64:  # wip/0120 / 0121: a block's indices loaded once, not per chunk
             v["native_ws64_s2_w2_hi"] = dict(v["native_ws64_s2_w2"], hoist_indices=True)
+        if "evict_first_loads" in ws64:  # wip/0121: Q, dO and the KV gather evict_first in L2
+            v["native_ws64_s2_w2_ef"] = dict(v["native_ws64_s2_w2"], evict_first_loads=True)
+            v["native_ws64_s2_w2_hi_ef"] = dict(v["native_ws64_s2_w2_hi"], evict_first_loads=True)
+        if "block_phase_ns" in ws64:  # wip/0121: a CTA's first key block from the global timer
+            for t in VARIANT_SETS.get("block_phase_ns") or (8000,):
+                v[f"native_ws64_s2_w2_ph{t}"] = dict(v["native_ws64_s2_w2"], block_phase_ns=t)
+                v[f"native_ws64_s2_w2_hi_ef_ph{t}"] = dict(v["native_ws64_s2_w2_hi_ef"],
+                                                           block_phase_ns=t)
         if "l2_hint" in ws64:  # wip/0119-l2-hints: L2 eviction hints on 0115's default kernel
             for tag, mode in L2_HINTS.items():
                 v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)
@@ -189,7 +200,8 @@ def build(heads, cfg):
         return bwd_mod.sparse_mla_bwd_ws64t(heads, 512, cfg["topk"], SCALE, **extra)
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
         extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks", "tma_dkv_add", "l2_hint",
-                                      "hoist_indices") if k in cfg}
+                                      "hoist_indices", "evict_first_loads", "block_phase_ns")
+                 if k in cfg}
         builder = bwd_mod.sparse_mla_bwd_ws64_tma if cfg.get("tma_dkv_add") else bwd_mod.sparse_mla_bwd_ws64
         return builder(heads, 512, cfg["topk"], SCALE, **extra)
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
@@ -202,7 +214,8 @@ def build(heads, cfg):
 
 def compile_job(args):
     heads, name, cfg, cache = args
-    os.environ["TILELANG_CACHE_DIR"] = cache
+    if cache:
+        os.environ["TILELANG_CACHE_DIR"] = cache
     t0 = time.perf_counter()
     try:
         build(heads, cfg)
@@ -221,13 +234,27 @@ def main():
     ap.add_argument("--only", nargs="*", help="run only these variants (and time them once)")
     ap.add_argument("--ref", nargs="*", help="check the variants against the first of these that "
                     "a head count has (default: native)")
+    ap.add_argument("--block-phase-ns", type=int, nargs="*",
+                    help="wip/0121's block_phase_ns values for the _ph<t> rows (default 8000)")
+    ap.add_argument("--unsorted", action="store_true",
+                    help="shuffle each query's indices (megatron's indexer gives them in score "
+                    "order, the k-pool generator sorted): what block_phase_ns gains without sorting")
+    ap.add_argument("--build-only", action="store_true",
+                    help="compile the selected variants and stop (no GPU needed: with "
+                    "TILELANG_DEFAULT_TARGET set, e.g. to sm_90a, a CPU host checks a draft builds)")
     ap.add_argument("--key-range", type=int, default=0,
                     help="take every index modulo this (0: as drawn), an L2-capacity probe")
     args = ap.parse_args()
     VARIANT_SETS["set"] = args.set
     VARIANT_SETS["only"] = args.only
+    VARIANT_SETS["block_phase_ns"] = args.block_phase_ns
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.build_only:
+        results = [compile_job((h, n, c, None))
+                   for h in args.heads for n, c in variants(h).items()]
+        print("\n".join(results))
+        return 1 if any("FAILED" in r for r in results) else 0
     _, unfinished = compile_in_processes(
         compile_job, [(h, n, c) for h in args.heads for n, c in variants(h).items()], timeout=240)
 
@@ -247,6 +274,9 @@ def main():
     idx = kpool_indices(s, g, device=dev).view(1, s, 1, TOPK).contiguous()
     if args.key_range:
         idx = torch.where(idx >= 0, idx % args.key_range, idx)
+    if args.unsorted:
+        perm = torch.rand(idx.shape, generator=g, device=dev).argsort(dim=-1)
+        idx = idx.gather(-1, perm).contiguous()
     idx_2080 = torch.nn.functional.pad(idx, (0, 2080 - TOPK), value=-1).contiguous()
     idx_2112 = torch.nn.functional.pad(idx, (0, 2112 - TOPK), value=-1).contiguous()
     rows = []
