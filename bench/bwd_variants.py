@@ -41,7 +41,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   L2) and _ph<t> / _hi_ef_ph<t> (a CTA's first key block from the global timer, --block-phase-ns;
   --unsorted shuffles each query's indices);
   with WIP_PATCHES=wip/0122 at 16 and 32 heads native_ws64t_w2/w3/w4 and _s1_w2 (the heads as
-  the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage)
+  the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage),
+  _w2_hi (indices hoisted as wip/0121's)
   and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two CTAs an SM)
 --ref NAME [NAME ...]: the variant the others' dq/dkv are checked against, the first of these a
   head count has (default native); it runs first whatever its place in the list
@@ -143,6 +144,7 @@ def chunk_variants(heads):
         for m in (2, 3, 4):
             v[f"native_ws64t_w{m}"] = dict(t, dkv_stages=2, wg0_dkv_chunks=m)
         v["native_ws64t_s1_w2"] = dict(t, dkv_stages=1, wg0_dkv_chunks=2)
+        v["native_ws64t_w2_hi"] = dict(v["native_ws64t_w2"], hoist_indices=True)
         if heads == 16:  # 101 KB of shared memory a CTA
             for s_, m in ((2, 2), (1, 2), (1, 4)):
                 v[f"native_ws64t_s{s_}_w{m}_c2"] = dict(t, dkv_stages=s_, wg0_dkv_chunks=m,
@@ -196,7 +198,8 @@ def build(heads, cfg):
     if cfg.get("add_wg"):  # wip/0116 (dKV in column order)
         return bwd_mod.sparse_mla_bwd_ws64_add_wg(heads, 512, cfg["topk"], SCALE)
     if cfg.get("ws64t"):  # wip/0122
-        extra = {k: cfg[k] for k in ("dkv_stages", "wg0_dkv_chunks", "ctas_per_sm") if k in cfg}
+        extra = {k: cfg[k] for k in ("dkv_stages", "wg0_dkv_chunks", "ctas_per_sm", "hoist_indices")
+                 if k in cfg}
         return bwd_mod.sparse_mla_bwd_ws64t(heads, 512, cfg["topk"], SCALE, **extra)
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
         extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks", "tma_dkv_add", "l2_hint",
