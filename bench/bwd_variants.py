@@ -42,7 +42,9 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   --unsorted shuffles each query's indices);
   with WIP_PATCHES=wip/0122 at 16 and 32 heads native_ws64t_w2/w3/w4 and _s1_w2 (the heads as
   the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage),
-  _w2_hi (indices hoisted as wip/0121's)
+  _w2_hi (indices hoisted as wip/0121's);
+  with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
+  dKV, shift 32; shift_bound / shift_ok against _fixed_point_shift, bitwise_repeat over 3 calls)
   and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two CTAs an SM)
 --ref NAME [NAME ...]: the variant the others' dq/dkv are checked against, the first of these a
   head count has (default native); it runs first whatever its place in the list
@@ -149,6 +151,16 @@ def chunk_variants(heads):
             for s_, m in ((2, 2), (1, 2), (1, 4)):
                 v[f"native_ws64t_s{s_}_w{m}_c2"] = dict(t, dkv_stages=s_, wg0_dkv_chunks=m,
                                                         ctas_per_sm=2)
+    if heads in (16, 32, 64) and hasattr(bwd_mod, "sparse_mla_bwd_ws64") and "dkv_fixed_shift" in (
+            inspect.signature(getattr(bwd_mod.sparse_mla_bwd_ws64, "func",
+                                      bwd_mod.sparse_mla_bwd_ws64)).parameters):
+        # wip/0124 (issue #21): int64 fixed-point dKV adds (column order), the wrapper's stages 2
+        # and WG0 chunks 2; at 16 heads the fp32 kernel at 64 rows beside it (the 64-bit adds'
+        # own cost)
+        s2w2 = dict(base, ws64=True, dkv_stages=2, wg0_dkv_chunks=2)
+        if heads == 16:
+            v["native_ws64_s2_w2"] = dict(s2w2, dkv_lines=True)
+        v["native_ws64_fixed"] = dict(s2w2, dkv_fixed_shift=32)
     return v
 
 
@@ -203,7 +215,8 @@ def build(heads, cfg):
         return bwd_mod.sparse_mla_bwd_ws64t(heads, 512, cfg["topk"], SCALE, **extra)
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
         extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks", "tma_dkv_add", "l2_hint",
-                                      "hoist_indices", "evict_first_loads", "block_phase_ns")
+                                      "hoist_indices", "evict_first_loads", "block_phase_ns",
+                                      "dkv_fixed_shift")
                  if k in cfg}
         builder = bwd_mod.sparse_mla_bwd_ws64_tma if cfg.get("tma_dkv_add") else bwd_mod.sparse_mla_bwd_ws64
         return builder(heads, 512, cfg["topk"], SCALE, **extra)
@@ -322,7 +335,9 @@ def main():
                 continue
             qq, kk = (q576, kv576) if cfg["tail"] else (q, kv)
             ii = idx_2112 if cfg["tail"] else (idx if cfg["dynamic"] else idx_2080)
-            dkv = torch.zeros(kk.shape, dtype=torch.float32, device=dev)
+            fixed = cfg.get("dkv_fixed_shift")  # wip/0124: an int64 accumulator
+            dkv = torch.zeros(kk.shape, dtype=torch.float32 if fixed is None else torch.int64,
+                              device=dev)
 
             def call():
                 dkv.zero_()
@@ -333,6 +348,18 @@ def main():
             got = (dq[..., :512].clone(), dkv[..., :512].clone())
             if cfg.get("dkv_lines"):  # 0106: the accumulator's columns in line order
                 got = (got[0], got[1][..., [bwd_mod._line_column(d) for d in range(512)]])
+            if fixed is not None:  # int64 counts of 2^-shift, column order
+                row["shift_bound"] = bwd_mod._fixed_point_shift(q, kv, do, delta, SCALE)
+                row["shift_ok"] = fixed <= row["shift_bound"]
+                first = (dq.view(torch.int16).clone(), dkv.clone())
+                same = True
+                for _ in range(2):  # 3 calls in all: identical dq and dkv bits
+                    dq2 = call()
+                    torch.cuda.synchronize()
+                    same = same and torch.equal(dq2.view(torch.int16), first[0])
+                    same = same and torch.equal(dkv, first[1])
+                row["bitwise_repeat"] = same
+                got = (got[0], got[1].double().mul(2.0 ** -fixed).float())
             times = timed(call, args.reps)
             row["bwd_ms"] = statistics.median(times)
             row["bwd_ms_min"] = min(times)
