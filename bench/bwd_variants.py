@@ -42,10 +42,10 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   --unsorted shuffles each query's indices);
   with WIP_PATCHES=wip/0122 at 16 and 32 heads native_ws64t_w2/w3/w4 and _s1_w2 (the heads as
   the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage),
-  _w2_hi (indices hoisted as wip/0121's);
+  _w2_hi (indices hoisted as wip/0121's), and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two
+  CTAs an SM);
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
   dKV, shift 32; shift_bound / shift_ok against _fixed_point_shift, bitwise_repeat over 3 calls)
-  and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two CTAs an SM)
 --ref NAME [NAME ...]: the variant the others' dq/dkv are checked against, the first of these a
   head count has (default native); it runs first whatever its place in the list
 --key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512

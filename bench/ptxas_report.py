@@ -73,23 +73,33 @@ if hasattr(fwd_mod, "sparse_mla_fwd_nope_ws"):  # 0070
     })
 
 
-def ptxas(kernel):
+def ptxas(kernel, sass=False):
+    """ptxas's registers, spills and smem of the kernel compiled for sm_90a, its output, and with
+    sass=True the cubin's SASS (cuobjdump from the CUDA toolkit, or the one triton ships)."""
     src = kernel.get_kernel_source()
     with tempfile.TemporaryDirectory() as tmp:
-        cu = os.path.join(tmp, "k.cu")
+        cu, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
         with open(cu, "w") as f:
             f.write(src)
         cmd = ["nvcc", "--cubin", "-std=c++20", "-w", "-O3", "-gencode", "arch=compute_90a,code=sm_90a",
                "-Xptxas", "-v", "-I" + TILELANG_TEMPLATE_PATH, "-I" + CUTLASS_INCLUDE_DIR,
-               "-o", os.path.join(tmp, "k.cubin"), cu]
+               "-o", cubin, cu]
         out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(out.stdout + out.stderr)
+        if out.returncode:
+            raise RuntimeError(out.stdout + out.stderr)
+        code = (subprocess.run([_cuobjdump(), "-sass", cubin], capture_output=True, text=True,
+                               check=True).stdout if sass else None)
     text = out.stdout + out.stderr
     regs = re.findall(r"Used (\d+) registers", text)
     spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     smem = re.findall(r"(\d+) bytes smem", text)
-    return regs, spill, smem, text
+    return regs, spill, smem, text, code
+
+
+def dyn_smem(kernel):
+    return [int(f.attrs["dyn_shared_memory_buf"])
+            for _, f in kernel.artifact.device_mod.functions.items()
+            if "dyn_shared_memory_buf" in f.attrs]
 
 
 def _cuobjdump():
@@ -101,44 +111,27 @@ def _cuobjdump():
     return found or os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 
 
-def sass_counts(kernel, sass_path=None):
-    """Counts of a few SASS opcodes in the kernel compiled for sm_90a (cuobjdump from the CUDA
-    toolkit, or the one triton ships)."""
-    src = kernel.get_kernel_source()
-    with tempfile.TemporaryDirectory() as tmp:
-        cu, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
-        with open(cu, "w") as f:
-            f.write(src)
-        subprocess.run(["nvcc", "--cubin", "-std=c++20", "-w", "-O3", "-gencode",
-                        "arch=compute_90a,code=sm_90a", "-I" + TILELANG_TEMPLATE_PATH,
-                        "-I" + CUTLASS_INCLUDE_DIR, "-o", cubin, cu], check=True)
-        sass = subprocess.run([_cuobjdump(), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    if sass_path:
-        with open(sass_path, "w") as f:
-            f.write(sass)
-    ops = {"STL": r"\bSTL", "LDL": r"\bLDL", "HGMMA": r"\bHGMMA", "RED": r"\bREDG?\b|\bRED\.",
-           "SHFL": r"\bSHFL", "BAR": r"\bBAR\.", "SYNCS": r"\bSYNCS"}
-    return {k: len(re.findall(v, sass)) for k, v in ops.items()}
+# SASS opcodes that matter here: spills, wgmma, atomics, shuffles, barriers
+SASS_OPS = {"STL": r"\bSTL", "LDL": r"\bLDL", "HGMMA": r"\bHGMMA", "RED": r"\bREDG?\b|\bRED\.",
+            "SHFL": r"\bSHFL", "BAR": r"\bBAR\.", "SYNCS": r"\bSYNCS"}
 
 
 def build_one(args):
     import json
 
     mod = bwd_mod if hasattr(bwd_mod, args.builder) else fwd_mod
-    kw = json.loads(args.args)
     t0 = time.time()
-    kernel = getattr(mod, args.builder)(**kw)
+    kernel = getattr(mod, args.builder)(**json.loads(args.args))
     if args.cuda:
         with open(args.cuda, "w") as f:
             f.write(kernel.get_kernel_source())
-    regs, spill, smem, text = ptxas(kernel)
-    dyn = [int(f.attrs["dyn_shared_memory_buf"])
-           for _, f in kernel.artifact.device_mod.functions.items()
-           if "dyn_shared_memory_buf" in f.attrs]
+    regs, spill, smem, text, sass = ptxas(kernel, sass=True)
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
+    counts = {k: len(re.findall(v, sass)) for k, v in SASS_OPS.items()}
     print(f"{args.builder} {args.args}: regs={regs} spill(st,ld)={spill} static_smem={smem} "
-          f"dyn_smem={dyn} sass={sass_counts(kernel, args.sass)} ({time.time() - t0:.0f} s)",
-          flush=True)
+          f"dyn_smem={dyn_smem(kernel)} sass={counts} ({time.time() - t0:.0f} s)", flush=True)
     if args.raw:
         print(text)
 
@@ -160,11 +153,8 @@ def main():
             continue
         t0 = time.time()
         kernel = build()
-        regs, spill, smem, text = ptxas(kernel)
-        dyn = [int(f.attrs["dyn_shared_memory_buf"])
-               for _, f in kernel.artifact.device_mod.functions.items()
-               if "dyn_shared_memory_buf" in f.attrs]
-        print(f"{name}: regs={regs} spill(st,ld)={spill} static_smem={smem} dyn_smem={dyn} "
+        regs, spill, smem, text, _ = ptxas(kernel)
+        print(f"{name}: regs={regs} spill(st,ld)={spill} static_smem={smem} dyn_smem={dyn_smem(kernel)} "
               f"({time.time() - t0:.0f} s)", flush=True)
         if args.raw:
             print(text)
