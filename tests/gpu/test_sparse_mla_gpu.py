@@ -152,6 +152,26 @@ def test_native_backward_heads_as_n_matches_fp32_reference(monkeypatch, heads, t
                                            bwd_wg0_dkv_chunks=wg0_chunks)
 
 
+# in runs that apply it with WIP_PATCHES (issue #21): the deterministic backward (int64
+# fixed-point dKV; the ws64 kernel at 16/32/64 heads, the head-block kernel elsewhere) against
+# the FP32 reference, and bitwise equal over repeated backwards of the same inputs (the fp32
+# atomics of the default backward differ in their last bits from run to run).
+@pytest.mark.skipif(not _has_option("bwd_deterministic"),
+                    reason="wip/0124 (NativeKernelOptions.bwd_deterministic) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+def test_native_deterministic_backward_is_bitwise_repeatable(monkeypatch, heads, topk):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 11, 3,
+                                           bwd_deterministic=True)
+    q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk)
+    with override_native_kernel_options(bwd_deterministic=True):
+        first = run_fused(q, k, idx, do)
+        for _ in range(3):
+            again = run_fused(q, k, idx, do)
+            for name, a, b in zip(("out", "dq", "dk"), first, again):
+                assert torch.equal(a, b), f"{name} differs between two identical runs"
+
+
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row, **options):
     """The native route's fwd+bwd with NativeKernelOptions `options` against the FP32 reference
     (200 queries, row `empty_row` without a valid index: its dq must be exactly zero)."""
