@@ -45,7 +45,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   _w2_hi (indices hoisted as wip/0121's), and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two
   CTAs an SM);
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
-  dKV, shift 32; shift_bound / shift_ok against _fixed_point_shift, bitwise_repeat over 3 calls)
+  dKV at the scale _fixed_point_scale picks on the device, built with the run-time softmax scale
+  as the wrapper builds it; fixed_shift: that scale's log2, bitwise_repeat over 3 calls)
 --ref NAME [NAME ...]: the variant the others' dq/dkv are checked against, the first of these a
   head count has (default native); it runs first whatever its place in the list
 --key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512
@@ -151,7 +152,7 @@ def chunk_variants(heads):
             for s_, m in ((2, 2), (1, 2), (1, 4)):
                 v[f"native_ws64t_s{s_}_w{m}_c2"] = dict(t, dkv_stages=s_, wg0_dkv_chunks=m,
                                                         ctas_per_sm=2)
-    if heads in (16, 32, 64) and hasattr(bwd_mod, "sparse_mla_bwd_ws64") and "dkv_fixed_shift" in (
+    if heads in (16, 32, 64) and hasattr(bwd_mod, "sparse_mla_bwd_ws64") and "dkv_fixed" in (
             inspect.signature(getattr(bwd_mod.sparse_mla_bwd_ws64, "func",
                                       bwd_mod.sparse_mla_bwd_ws64)).parameters):
         # wip/0124 (issue #21): int64 fixed-point dKV adds (column order), the wrapper's stages 2
@@ -160,7 +161,7 @@ def chunk_variants(heads):
         s2w2 = dict(base, ws64=True, dkv_stages=2, wg0_dkv_chunks=2)
         if heads == 16:
             v["native_ws64_s2_w2"] = dict(s2w2, dkv_lines=True)
-        v["native_ws64_fixed"] = dict(s2w2, dkv_fixed_shift=32)
+        v["native_ws64_fixed"] = dict(s2w2, dkv_fixed=True)
     return v
 
 
@@ -216,10 +217,14 @@ def build(heads, cfg):
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
         extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks", "tma_dkv_add", "l2_hint",
                                       "hoist_indices", "evict_first_loads", "block_phase_ns",
-                                      "dkv_fixed_shift")
+                                      "dkv_fixed")
                  if k in cfg}
+        # dkv_fixed: the fixed-point scale comes with the softmax scale's run-time argument
+        scale = None if cfg.get("dkv_fixed") else SCALE
+        if cfg.get("dkv_fixed"):
+            extra["runtime_scale"] = True
         builder = bwd_mod.sparse_mla_bwd_ws64_tma if cfg.get("tma_dkv_add") else bwd_mod.sparse_mla_bwd_ws64
-        return builder(heads, 512, cfg["topk"], SCALE, **extra)
+        return builder(heads, 512, cfg["topk"], scale, **extra)
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
     extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_lines") if k in cfg})
     return bwd_mod.bwd(heads, 512, cfg["tail"], cfg["topk"], 1, SCALE,
@@ -335,22 +340,22 @@ def main():
                 continue
             qq, kk = (q576, kv576) if cfg["tail"] else (q, kv)
             ii = idx_2112 if cfg["tail"] else (idx if cfg["dynamic"] else idx_2080)
-            fixed = cfg.get("dkv_fixed_shift")  # wip/0124: an int64 accumulator
-            dkv = torch.zeros(kk.shape, dtype=torch.float32 if fixed is None else torch.int64,
-                              device=dev)
+            fixed = cfg.get("dkv_fixed", False)  # wip/0124: an int64 accumulator
+            dkv = torch.zeros(kk.shape, dtype=torch.int64 if fixed else torch.float32, device=dev)
+            # wip/0124: the softmax scale and the fixed-point scale at each call
+            call_args = (SCALE, bwd_mod._fixed_point_scale(q, kv, do, delta, SCALE)) if fixed else ()
 
             def call():
                 dkv.zero_()
-                return kernel(qq, kk, do, ii, lse, delta, dkv)
+                return kernel(qq, kk, do, ii, lse, delta, dkv, *call_args)
 
             dq = call()
             torch.cuda.synchronize()
             got = (dq[..., :512].clone(), dkv[..., :512].clone())
             if cfg.get("dkv_lines"):  # 0106: the accumulator's columns in line order
                 got = (got[0], got[1][..., [bwd_mod._line_column(d) for d in range(512)]])
-            if fixed is not None:  # int64 counts of 2^-shift, column order
-                row["shift_bound"] = bwd_mod._fixed_point_shift(q, kv, do, delta, SCALE)
-                row["shift_ok"] = fixed <= row["shift_bound"]
+            if fixed:  # int64 counts of 2^-shift, column order
+                row["fixed_shift"] = int(call_args[1][0].log2().item())
                 first = (dq.view(torch.int16).clone(), dkv.clone())
                 same = True
                 for _ in range(2):  # 3 calls in all: identical dq and dkv bits
@@ -359,7 +364,7 @@ def main():
                     same = same and torch.equal(dq2.view(torch.int16), first[0])
                     same = same and torch.equal(dkv, first[1])
                 row["bitwise_repeat"] = same
-                got = (got[0], got[1].double().mul(2.0 ** -fixed).float())
+                got = (got[0], got[1].double().mul(call_args[1][1].double()).float())
             times = timed(call, args.reps)
             row["bwd_ms"] = statistics.median(times)
             row["bwd_ms_min"] = min(times)
