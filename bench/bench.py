@@ -37,6 +37,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 checked against the native route
   native_add_wg 512/2051  with wip/0116 applied: NativeKernelOptions(bwd_add_warpgroup=True) (a third
                 warpgroup adds dKV), 32k/32 and 64 heads; checked against the native route
+  native_prev_bwd 512/2051  with wip/0125 applied: the backward without 0125's defaults (16 heads
+                on the head-block kernel, no hoisted indices, evict_first loads, block phase or
+                index sort), 16, 32 and 64 heads; checked against the native route
   native_heads_as_n 512/2051  with wip/0122 applied: NativeKernelOptions(bwd_heads_as_n=True) (the
                 16/32-head backward with the heads as the GEMMs' N; 8 heads as 16), 8, 16 and
                 32 heads at every length; checked against the native route
@@ -384,6 +387,9 @@ def run(args):
             idx_cache.clear()
             g = torch.Generator(device=DEV).manual_seed(L)
             idx_cache[L] = kpool_indices(L, g, device=DEV).unsqueeze(0)
+            if args.score_order:  # each query's indices shuffled, as an indexer's top-k gives them
+                perm = torch.rand(idx_cache[L].shape, generator=g, device=DEV).argsort(dim=-1)
+                idx_cache[L] = idx_cache[L].gather(-1, perm).contiguous()
         idx = idx_cache[L]
         g = torch.Generator(device=DEV).manual_seed(L + heads)
         q512 = torch.randn(L, 1, heads, 512, generator=g, device=DEV).to(torch.bfloat16)
@@ -528,6 +534,15 @@ def run(args):
                 add("native_heads_as_n", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_heads_as_n=True), ref=native_results()))
+            if heads in (16, 32, 64) and has_native_option("bwd_block_phase_ns") and wanted(
+                    "native_prev_bwd"):
+                # wip/0125 (a draft): the backward as before it (no 16 heads on bwd_ws64, no
+                # hoisted indices, no evict_first loads, no block phase and no index sort)
+                add("native_prev_bwd", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(bwd_ws64_16_heads=False, bwd_hoist_indices=False,
+                                 bwd_evict_first_loads=False, bwd_block_phase_ns=0),
+                    ref=native_results()))
             if heads in (32, 64) and L == 32768 and has_native_option("bwd_ws64"):
                 # A/B of patches 0112 and 0113 (64-row tiles with warpgroup roles)
                 add("native_no_ws64", 512, 2051, fwd_bwd(
@@ -704,6 +719,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", nargs="*", help="only these HEADS:TOKENS, e.g. 16:32768")
     ap.add_argument("--rows", nargs="*", help="only these row names, e.g. native_fwd flashmla_fwd")
+    ap.add_argument("--score-order", action="store_true",
+                    help="shuffle each query's k-pool indices (an indexer's top-k gives them in "
+                    "score order; the generator sorts them)")
     ap.add_argument("--render", metavar="JSONL", help="only rewrite the table and plot from JSONL")
     ap.add_argument("--kernels", metavar="ARCHIVE",
                     help="the make-kernels archive for first_call_shipped (default: dist/'s one)")

@@ -161,6 +161,15 @@ def chunk_variants(heads):
         s2w2 = dict(base, ws64=True, dkv_stages=2, wg0_dkv_chunks=2)
         if heads == 16:
             v["native_ws64_s2_w2"] = dict(s2w2, dkv_lines=True)
+            # with wip/0121 the fp32 kernel at 16 heads (as 64 rows) with its levers too
+            ws64 = inspect.signature(
+                getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
+            ).parameters
+            if "block_phase_ns" in ws64:
+                hi_ef = dict(v["native_ws64_s2_w2"], hoist_indices=True, evict_first_loads=True)
+                v["native_ws64_s2_w2_hi_ef"] = hi_ef
+                for t in VARIANT_SETS.get("block_phase_ns") or (8000,):
+                    v[f"native_ws64_s2_w2_hi_ef_ph{t}"] = dict(hi_ef, block_phase_ns=t)
         v["native_ws64_fixed"] = dict(s2w2, dkv_fixed=True)
     return v
 

@@ -1,7 +1,15 @@
 """Compile the TileLang SparseMLA kernels that the GPU tests and the benchmark use, in parallel
 processes, before they run: TileLang compiles each kernel shape once (~10-15 s) and caches it on
 disk, so the later runs load them. Each worker uses its own cache folder (no two processes write
-one entry); the folders are merged into TileLang's cache at the end."""
+one entry); the folders are merged into TileLang's cache at the end.
+
+  python bench/precompile.py [--heads 16 32 64] [--native-only TOPK ...] [--option NAME=VALUE ...]
+
+--native-only: only the native route at these top-k widths (a benchmark's shapes, not the
+tests'); --option (repeatable): NativeKernelOptions fields set while compiling (a benchmark row's
+A/B options), each set of options a pass of its own with --option-set."""
+import argparse
+import ast
 import multiprocessing as mp
 import os
 import pathlib
@@ -19,13 +27,19 @@ NATIVE = [(512, 64), (512, 65), (512, 127), (512, 2051)]
 
 
 def work(args):
-    heads, width, topk, route, cache = args
+    heads, width, topk, route, options, cache = args
     os.environ["TILELANG_CACHE_DIR"] = cache
     if route:
         os.environ["MCORE_DSA_TILELANG_NOPE"] = route
     import torch
 
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+    if options:
+        from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
+
+        # kept open for the rest of this worker's job (the process ends with it)
+        tilelang_utils.override_native_kernel_options(**dict(options)).__enter__()
 
     t0 = time.perf_counter()
     s = 256
@@ -36,7 +50,8 @@ def work(args):
     assert out is not None, (heads, width, topk)
     out.float().sum().backward()
     torch.cuda.synchronize()
-    return f"heads {heads} width {width} topk {topk} route {route or '-'}: {time.perf_counter() - t0:.1f} s"
+    return (f"heads {heads} width {width} topk {topk} route {route or '-'}"
+            f"{' options ' + str(dict(options)) if options else ''}: {time.perf_counter() - t0:.1f} s")
 
 
 def compile_in_processes(fn, jobs, timeout=None):
@@ -71,11 +86,29 @@ def compile_in_processes(fn, jobs, timeout=None):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", type=int, nargs="*", default=[16, 32, 64])
+    ap.add_argument("--native-only", type=int, nargs="*", metavar="TOPK")
+    ap.add_argument("--option-set", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="also compile with these NativeKernelOptions fields (repeatable)")
+    args = ap.parse_args()
+    option_sets = [()] + [
+        tuple((n, ast.literal_eval(v)) for n, _, v in (o.partition("=") for o in opts.split(",")))
+        for opts in args.option_set
+    ]
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
 
     native = getattr(tilelang_dsa, "NOPE_NATIVE_AVAILABLE", False)
-    configs = [(w, t, None) for w, t in PADDED] + ([(w, t, "native") for w, t in NATIVE] if native else [])
-    jobs = [(h, w, t, route) for h in (16, 32, 64) for w, t, route in configs]
+    if args.native_only:
+        if not native:
+            print("error: --native-only without the native route in this tree", file=sys.stderr)
+            return 1
+        configs = [(512, t, "native") for t in args.native_only]
+    else:
+        configs = [(w, t, None) for w, t in PADDED] + (
+            [(w, t, "native") for w, t in NATIVE] if native else [])
+    jobs = [(h, w, t, route, o) for h in args.heads for w, t, route in configs
+            for o in option_sets if route or not o]
     t0 = time.perf_counter()
     procs, _ = compile_in_processes(work, jobs)
     print(f"precompiled {len(jobs)} configurations in {time.perf_counter() - t0:.0f} s with {procs} processes")

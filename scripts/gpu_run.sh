@@ -16,6 +16,9 @@ has() { [[ $what == *" $1 "* || ( $what == *" all "* && ( $1 == tests || $1 == b
 out=${2:-reports/gpu-run}
 py=${PYTHON:-python3}
 site=${INSTALL_SITE:-/tmp/mcore-site}
+# a site this script installed before (a warm machine's second call) is installed afresh: pip
+# --target keeps files already there, and WIP_PATCHES would then meet a patched tree
+[ ! -e "$site/.gpu_run-installed" ] || rm -rf "$site"
 mkdir -p "$out" "$site"
 # TEST_WHEEL: another wheel (e.g. an unpatched build, to compare upstream's tests against)
 if [ -z "${TEST_WHEEL:-}" ]; then
@@ -30,6 +33,7 @@ if ! "$py" -c "import tilelang" 2>/dev/null && [ -f .site/tilelang-site.tar.xz ]
 fi
 extra=$(ls .whl/*.whl 2>/dev/null || true)
 "$py" -m pip install --quiet --no-deps --no-index --disable-pip-version-check --target "$site" "$whl" $extra || exit 1
+touch "$site/.gpu_run-installed"
 # WIP_PATCHES: patches from wip/ applied to the installed tree (kernel drafts not in the series)
 # with the series' own patch options (scripts/series.py: fuzz 0, no backup or reject files)
 if [ -n "${WIP_PATCHES:-}" ]; then
@@ -48,8 +52,9 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FROM_INSTALLED=1 PYTHONUNBUFF
   "$py" -c "import flash_mla; print('flash_mla', flash_mla.__version__)" 2>&1 | tail -n 1
   "$py" -c "import sys; sys.path.insert(0, 'bench'); import cudnn_peer; m, why = cudnn_peer.load(); print('cudnn backend:', why or cudnn_peer.versions())" 2>&1 | tail -n 1
 } | tee "$out/env.txt"
-# PRECOMPILE=0: jobs that compile their own kernels (variants, upstream on an unpatched wheel)
-[ "${PRECOMPILE:-1}" = 0 ] || "$py" bench/precompile.py 2>&1 | tee "$out/precompile.log" || { echo "error: precompile failed" >&2; exit 1; }
+# PRECOMPILE=0: jobs that compile their own kernels (variants, upstream on an unpatched wheel);
+# PRECOMPILE_ARGS: precompile.py's arguments (a benchmark's shapes and A/B options only)
+[ "${PRECOMPILE:-1}" = 0 ] || "$py" bench/precompile.py ${PRECOMPILE_ARGS:-} 2>&1 | tee "$out/precompile.log" || { echo "error: precompile failed" >&2; exit 1; }
 rc=0 summary=""
 failed() { rc=1; summary="$summary [FAILED: $1]"; }
 xdist=$("$py" -c "import xdist" 2>/dev/null && echo yes)  # pytest-xdist, carried in .whl/
