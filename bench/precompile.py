@@ -10,6 +10,7 @@ tests'); --option (repeatable): NativeKernelOptions fields set while compiling (
 A/B options), each set of options a pass of its own with --option-set."""
 import argparse
 import ast
+import contextlib
 import multiprocessing as mp
 import os
 import pathlib
@@ -35,21 +36,21 @@ def work(args):
 
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
 
-    if options:
+    t0 = time.perf_counter()
+    held = contextlib.nullcontext()
+    if options:  # for this job only (a pool process runs several jobs)
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
 
-        # kept open for the rest of this worker's job (the process ends with it)
-        tilelang_utils.override_native_kernel_options(**dict(options)).__enter__()
-
-    t0 = time.perf_counter()
-    s = 256
-    q = torch.randn(s, 1, heads, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(s, 1, 1, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    idx = torch.randint(0, s, (1, s, topk), device="cuda", dtype=torch.int32)
-    out = tilelang_dsa.fused_sparse_mla_absorbed(q, k, idx, SCALE, 512)
-    assert out is not None, (heads, width, topk)
-    out.float().sum().backward()
-    torch.cuda.synchronize()
+        held = tilelang_utils.override_native_kernel_options(**dict(options))
+    with held:
+        s = 256
+        q = torch.randn(s, 1, heads, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(s, 1, 1, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        idx = torch.randint(0, s, (1, s, topk), device="cuda", dtype=torch.int32)
+        out = tilelang_dsa.fused_sparse_mla_absorbed(q, k, idx, SCALE, 512)
+        assert out is not None, (heads, width, topk)
+        out.float().sum().backward()
+        torch.cuda.synchronize()
     return (f"heads {heads} width {width} topk {topk} route {route or '-'}"
             f"{' options ' + str(dict(options)) if options else ''}: {time.perf_counter() - t0:.1f} s")
 

@@ -87,6 +87,9 @@ FEATURES = {
     "0113": ("NativeKernelOptions.bwd_ws64", lambda: _has_option("bwd_ws64")),
     "0114": ("NativeKernelOptions.bwd_dkv_two_stages", lambda: _has_option("bwd_dkv_two_stages")),
     "0115": ("NativeKernelOptions.bwd_wg0_dkv_chunks", lambda: _has_option("bwd_wg0_dkv_chunks")),
+    "0125": ("NativeKernelOptions.bwd_block_phase_ns", lambda: _has_option("bwd_block_phase_ns")),
+    "0123": ("native kernels below 16 heads",
+             lambda: HAVE_TILELANG and "pad_rows" in __import__("inspect").getsource(bwd_mod.bwd.func)),
 }
 
 

@@ -133,26 +133,35 @@ def test_plan_is_the_glm_set(glm_plan):
         ws64 = rows64 and has("0112")
         ws = route == "native" and has("0070") and heads in (8, 16, 32) and not ws64
         fwd_kind = "fwd_ws64" if ws64 else "fwd_ws" if ws else "fwd"
-        bwd_kind = "bwd_ws64" if rows64 and has("0113") else "bwd"
+        # wip/0125: the 64-row backward at 16 kernel heads too (8 heads there without 0123)
+        bwd_rows64 = rows64 or (route == "native" and has("0125") and (
+            heads == 16 or (heads == 8 and not has("0123"))))
+        bwd_kind = "bwd_ws64" if bwd_rows64 and has("0113") else "bwd"
         assert kinds == sorted([bwd_kind, "post", "pre", fwd_kind]), (route, heads)
         kernel_heads = max(heads, 16)
+        # 0123: the native kernels are built for the caller's heads (16-row tiles below 16)
+        built = heads if route == "native" and has("0123") else kernel_heads
         for c in cs:
             a = dict(zip(["heads", "dim", "tail_dim", "topk"], c["args"]), **c["kwargs"])
             if c["kind"] == "fwd_ws":
-                assert c["args"][:3] == [kernel_heads, 512, 2112 if kernel_heads == 16 else 2176]
+                assert c["args"][:3] == [built, 512, 2112 if kernel_heads == 16 else 2176]
                 assert c["args"][-1] == (132 if kernel_heads == 16 else 0)  # CTAs: the H200's SMs
             elif c["kind"] == "fwd_ws64":  # top-k a whole number of two 64-index blocks
                 assert c["args"][:3] == [kernel_heads, 512, 2176] and c["kwargs"]["runtime_scale"]
             elif c["kind"] == "bwd_ws64":
                 assert c["args"] == [kernel_heads, 512, 2080]
                 want = {"dkv_stages": 2} if has("0114") else {}
-                assert c["kwargs"] == (dict(want, wg0_dkv_chunks=2) if has("0115") else want)
+                want = dict(want, wg0_dkv_chunks=2) if has("0115") else want
+                if has("0125"):  # hoisted indices, evict_first loads, the timer phase
+                    want = dict(want, hoist_indices=True, evict_first_loads=True,
+                                block_phase_ns=8000)
+                assert c["kwargs"] == want
             elif c["kind"] == "fwd":
                 assert (a["heads"], a["dim"], a["topk"]) == (kernel_heads, 512, 2112)
                 assert a["tail_dim"] == (0 if route == "native" else 64)
                 assert a["topk_dynamic"] == (route == "native")
             elif c["kind"] == "bwd":
-                assert (a["heads"], a["dim"]) == (kernel_heads, 512)
+                assert (a["heads"], a["dim"]) == (built, 512)
                 want = (0, 2080) if route == "native" else (64, 2112)
                 assert (a["tail_dim"], a["topk"]) == want
             elif c["kind"] == "pre":
@@ -163,7 +172,8 @@ def test_plan_is_the_glm_set(glm_plan):
                 assert c["args"] == [512, 0 if route == "native" else 64, 1]
     # 16, 32 and 64 kernel heads x (fwd, pre, bwd) x 2 routes, pre shared, + 2 dKV casts; 0107:
     # + the native route's 8-head delta
-    assert len(calls) == (18 if has("0107") else 17)
+    # 0123: + the native route's 8-head forward and backward
+    assert len(calls) == (20 if has("0123") else 18 if has("0107") else 17)
 
 
 @needs_tilelang

@@ -182,11 +182,14 @@ class KernelFakes:
 
         return kernel
 
-    def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0):
-        # 0113's kernel: the scale at each call, dKV added in 0106's line order
+    def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
+        # 0113's kernel: the scale at each call, dKV added in 0106's line order; wip/0125's
+        # levers (hoist_indices, evict_first_loads, block_phase_ns) change no result
+        assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
-        self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks)
+        self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks,
+                               **levers)
         return kernel
 
     def get_post(self, D, D_tail, kv_group, lines=False):
@@ -567,7 +570,8 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     on = ws and kernel_heads in (16, 32)
     fwd = [b for b in fakes.builds if b["kind"] in ("fwd", "fwd_ws")]
     assert {b["kind"] for b in fwd} == {"fwd_ws" if on else "fwd"}
-    assert fwd[0]["heads"] == kernel_heads and fwd[0]["tail_dim"] == 0
+    native_heads = heads if has("0123") else kernel_heads  # 0123: 8 heads on 16-row tiles
+    assert fwd[0]["heads"] == native_heads and fwd[0]["tail_dim"] == 0
     buffers = 3 if kernel_heads == 16 else 2
     assert fwd[0]["topk"] == _round_up(topk, buffers * BLOCK_I if on else BLOCK_I)
     if on:
@@ -578,7 +582,7 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     first = fakes.calls[0]
     assert first["kind"] == "fwd" and first["indices"].data_ptr() == idx.data_ptr()
     assert first["kv"].data_ptr() == key.data_ptr()
-    if heads == kernel_heads:
+    if heads == native_heads:
         assert first["q"].data_ptr() == query.data_ptr()
     ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
     for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
@@ -603,27 +607,38 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
     with options(fwd_ws64=fwd_on, bwd_ws64=bwd_on):  # 0070 off (the fixture)
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     rows64 = kernel_heads in (32, 64)
+    native_heads = heads if has("0123") else kernel_heads  # 0123: 8 heads on 16-row tiles
+    # wip/0125: the 64-row backward at 16 heads too, its indices sorted by key (block phase)
+    bwd_rows64 = native_heads in ((16, 32, 64) if has("0125") else (32, 64))
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
     bwd = [b for b in fakes.builds if b["kind"].startswith("bwd")]
     post = [b for b in fakes.builds if b["kind"] == "post"]
     assert len(fwd) == len(bwd) == len(post) == 1
     assert (fwd[0]["kind"] == "fwd_ws64") == (fwd_on and rows64)
-    assert (bwd[0]["kind"] == "bwd_ws64") == (bwd_on and rows64)
-    assert fwd[0]["heads"] == bwd[0]["heads"] == kernel_heads
+    assert (bwd[0]["kind"] == "bwd_ws64") == (bwd_on and bwd_rows64)
+    assert fwd[0]["heads"] == bwd[0]["heads"] == native_heads
     if fwd[0]["kind"] == "fwd_ws64":
         assert fwd[0]["topk"] == _round_up(topk, 2 * BLOCK_I) and fwd[0]["runtime_scale"]
     if bwd[0]["kind"] == "bwd_ws64":
         assert bwd[0]["topk"] == _round_up(topk, BWD_BLOCK) and post[0]["lines"]
         assert bwd[0]["dkv_stages"] == (2 if has("0114") else 1)  # 0114: two stages by default
         assert bwd[0]["wg0_dkv_chunks"] == (2 if has("0115") else 0)  # 0115: WG0 takes two
+        if has("0125"):
+            assert bwd[0]["hoist_indices"] and bwd[0]["evict_first_loads"]
+            assert bwd[0]["block_phase_ns"] == 8000
+    sorted_bwd = has("0125") and bwd[0]["kind"] == "bwd_ws64"
     for c in fakes.calls:
-        assert c["kv"].data_ptr() == key.data_ptr() and c["indices"].data_ptr() == idx.data_ptr()
-        if heads == kernel_heads:
+        assert c["kv"].data_ptr() == key.data_ptr()
+        if sorted_bwd and c["kind"] == "bwd":  # the same indices, each row in key order
+            assert torch.equal(c["indices"].view(-1, topk), idx.view(-1, topk).sort(-1).values)
+        else:
+            assert c["indices"].data_ptr() == idx.data_ptr()
+        if heads == native_heads:
             assert c["q"].data_ptr() == query.data_ptr()
     ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
     for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
         assert (got.float() - ref).norm() / ref.norm() < 2e-2
-    if not (bwd_on and rows64):
+    if not (bwd_on and bwd_rows64):
         return
 
     def backward_builds(**opts):
@@ -651,8 +666,14 @@ def test_native_512_small_head_count_pads_heads_only(fakes):
     query, key, idx = _inputs(512, 131, 8, 256, 512)
     _run_hook(fakes, query, key, idx, 0.05)
     fwd_call = fakes.calls[0]
-    assert fwd_call["q"].shape == (1, 256, 16, 512)  # heads padded to the 16-head tile
-    assert torch.count_nonzero(fwd_call["q"][:, :, 8:]) == 0
+    if has("0123"):  # the caller's 8 heads, no padded copy; dO, delta and dq 8 heads too
+        assert fwd_call["q"].shape == (1, 256, 8, 512)
+        assert fwd_call["q"].data_ptr() == query.data_ptr()
+        bwd_call = fakes.calls[-1]
+        assert bwd_call["do"].size(2) == bwd_call["delta"].size(2) == 8
+    else:
+        assert fwd_call["q"].shape == (1, 256, 16, 512)  # heads padded to the 16-head tile
+        assert torch.count_nonzero(fwd_call["q"][:, :, 8:]) == 0
     assert fwd_call["kv"].data_ptr() == key.data_ptr()
     assert fwd_call["indices"].data_ptr() == idx.data_ptr()
     assert query.grad.shape == query.shape
@@ -689,8 +710,8 @@ def test_native_save_output_matches_recompute(fakes, monkeypatch, heads):
         kinds = [c["kind"] for c in fakes.calls]
         assert kinds == (["fwd", "bwd"] if save else ["fwd", "fwd", "bwd"])
         bwd = fakes.calls[-1]
-        assert bwd["do"].size(2) == bwd["delta"].size(2) == max(heads, 16)
-        if save and heads < 16:  # the padded heads get zero dO and zero delta
+        assert bwd["do"].size(2) == bwd["delta"].size(2) == (heads if has("0123") else max(heads, 16))
+        if save and heads < 16 and not has("0123"):  # the padded heads get zero dO and zero delta
             assert torch.count_nonzero(bwd["do"][:, :, heads:]) == 0
             assert torch.count_nonzero(bwd["delta"][:, :, heads:]) == 0
             assert torch.count_nonzero(bwd["delta"][:, :, :heads]) > 0

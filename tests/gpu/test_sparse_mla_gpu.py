@@ -137,7 +137,8 @@ def test_native_backward_add_warpgroup_matches_fp32_reference(monkeypatch, heads
 
 
 # wip/0122 (a draft, not in the series): the 16/32-head backward with the heads as the GEMMs' N,
-# in runs that apply it with WIP_PATCHES; 8 heads reach it as 16 (the hook pads them). Each
+# in runs that apply it with WIP_PATCHES; 8 heads reach it as 16 (padded by the hook, or with
+# wip/0123 as 16-row tiles in the kernel). Each
 # accumulator-stage / WG0-chunk split it can be built with, as 0114's and 0115's have.
 @pytest.mark.skipif(not _has_option("bwd_heads_as_n"),
                     reason="wip/0122 (NativeKernelOptions.bwd_heads_as_n) is not applied")
