@@ -44,6 +44,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage),
   _w2_hi (indices hoisted as wip/0121's), and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two
   CTAs an SM);
+  with wip/0121 and wip/0124 also at 16 heads (the ws64 kernel as 64 rows)
+  native_ws64_s2_w2_hi_ef and _hi_ef_ph<t>;
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
   dKV at the scale _fixed_point_scale picks on the device, built with the run-time softmax scale
   as the wrapper builds it; fixed_shift: that scale's log2, bitwise_repeat over 3 calls)
