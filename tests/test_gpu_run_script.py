@@ -15,7 +15,7 @@ args="$*"
 fail() { [[ " $FAIL " == *" $1 "* ]] && exit 3; exit 0; }
 case "$args" in
   *"sys.version_info"*) echo cp312 ;;
-  *bench/precompile.py*) fail precompile ;;
+  *bench/precompile.py*) [ -z "${PRECOMPILE_LOG:-}" ] || echo "$args" >>"$PRECOMPILE_LOG"; fail precompile ;;
   *bench/bwd_variants.py*) fail variants ;;
   *bench/fwd_variants.py*) fail fwd ;;
   *bench/bench.py*) fail bench ;;
@@ -153,3 +153,24 @@ def test_wip_patches_apply_with_the_series_options(tmp_path, site_text, ok):
     else:
         assert proc.returncode != 0 and "does not apply" in proc.stderr
         assert text == site_text and not list((tmp_path / "site").glob("*.orig"))
+
+
+def test_a_site_it_installed_is_installed_afresh_and_no_other(tmp_path):
+    """A warm machine's second call: pip --target would keep the patched files of the first, and
+    WIP_PATCHES would meet a patched tree. A folder the script did not install is left alone."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "mine").write_text("")  # no marker: not the script's
+    assert run(tmp_path, "tests").returncode == 0
+    assert (site / "mine").exists() and (site / ".gpu_run-installed").exists()
+    (site / "patched").write_text("")  # left by the first call
+    assert run(tmp_path, "tests").returncode == 0
+    assert not (site / "patched").exists() and not (site / "mine").exists()
+    assert (site / ".gpu_run-installed").exists()
+
+
+def test_precompile_takes_its_arguments(tmp_path):
+    args = "--heads 16 --native-only 2051 --option-set bwd_block_phase_ns=0"
+    proc = run(tmp_path, "bench", PRECOMPILE_ARGS=args, PRECOMPILE_LOG=str(tmp_path / "args"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "args").read_text().splitlines() == [f"bench/precompile.py {args}"]
