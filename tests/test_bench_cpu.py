@@ -168,3 +168,30 @@ def test_first_call_shipped_unpacks_the_archive_and_hides_nvcc(tmp_path, monkeyp
     bench.write_table([row], [], path)
     assert "| first_call_shipped | 512 | 2051 | 16 | 4096 | first call 3.2 s |" in path.read_text()
     assert "fused call 0.8 s, 0 kernels compiled" in path.read_text()
+
+
+def test_precompile_plans_the_native_shapes_with_each_option_set(monkeypatch):
+    """precompile.py --native-only / --option-set: the native route only, each head count once
+    with the defaults and once per option set (values parsed as Python literals); without them
+    every route and shape of the tests."""
+    import precompile
+
+    native = getattr(__import__("megatron.core.transformer.experimental_attention_variant.ops."
+                                "tilelang_dsa", fromlist=["x"]), "NOPE_NATIVE_AVAILABLE", False)
+    plans = []
+    monkeypatch.setattr(precompile, "compile_in_processes",
+                        lambda fn, jobs: (plans.append(list(jobs)), (1, []))[1])
+    monkeypatch.setattr(sys, "argv", ["precompile.py", "--heads", "16", "64", "--native-only",
+                                      "2051", "--option-set", "bwd_block_phase_ns=0,schedule=False"])
+    if not native:
+        assert precompile.main() == 1  # no native route in this tree: says so, plans nothing
+        assert plans == []
+        return
+    assert precompile.main() is None
+    opts = (("bwd_block_phase_ns", 0), ("schedule", False))
+    assert plans == [[(16, 512, 2051, "native", ()), (16, 512, 2051, "native", opts),
+                      (64, 512, 2051, "native", ()), (64, 512, 2051, "native", opts)]]
+    monkeypatch.setattr(sys, "argv", ["precompile.py"])
+    precompile.main()
+    assert len(plans[1]) == 3 * (len(precompile.PADDED) + len(precompile.NATIVE))
+    assert all(job[4] == () for job in plans[1])
