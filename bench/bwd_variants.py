@@ -105,15 +105,14 @@ def chunk_variants(heads):
         tilelang_sparse_mla_bwd as bwd_mod,
     )
 
+    ws64_fn = getattr(bwd_mod, "sparse_mla_bwd_ws64", None)
+    ws64 = inspect.signature(getattr(ws64_fn, "func", ws64_fn)).parameters if ws64_fn else {}
     if "dkv_lines" in inspect.signature(getattr(bwd_mod.bwd, "func", bwd_mod.bwd)).parameters:
         lines = 16 * base["threads"] // 32
         v[f"native_c{lines}l"] = dict(base, dkv_chunk=lines, dkv_lines=True)
-    if heads in (32, 64) and hasattr(bwd_mod, "sparse_mla_bwd_ws64"):
+    if heads in (32, 64) and ws64_fn is not None:
         # 0113: warpgroup roles with 64-row tiles (32 heads as 64 rows), dKV in line order
         v["native_ws64"] = dict(base, ws64=True, dkv_lines=True)
-        ws64 = inspect.signature(
-            getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
-        ).parameters
         if "dkv_stages" in ws64:  # 0114: two dKV accumulator stages (native_ws64: 0113's one)
             v["native_ws64_s2"] = dict(base, ws64=True, dkv_lines=True, dkv_stages=2)
         if "wg0_dkv_chunks" in ws64:  # 0115: WG0 takes the first m dKV chunks of each block
@@ -154,9 +153,7 @@ def chunk_variants(heads):
             for s_, m in ((2, 2), (1, 2), (1, 4)):
                 v[f"native_ws64t_s{s_}_w{m}_c2"] = dict(t, dkv_stages=s_, wg0_dkv_chunks=m,
                                                         ctas_per_sm=2)
-    if heads in (16, 32, 64) and hasattr(bwd_mod, "sparse_mla_bwd_ws64") and "dkv_fixed" in (
-            inspect.signature(getattr(bwd_mod.sparse_mla_bwd_ws64, "func",
-                                      bwd_mod.sparse_mla_bwd_ws64)).parameters):
+    if heads in (16, 32, 64) and "dkv_fixed" in ws64:
         # wip/0124 (issue #21): int64 fixed-point dKV adds (column order), the wrapper's stages 2
         # and WG0 chunks 2; at 16 heads the fp32 kernel at 64 rows beside it (the 64-bit adds'
         # own cost)
@@ -164,9 +161,6 @@ def chunk_variants(heads):
         if heads == 16:
             v["native_ws64_s2_w2"] = dict(s2w2, dkv_lines=True)
             # with wip/0121 the fp32 kernel at 16 heads (as 64 rows) with its levers too
-            ws64 = inspect.signature(
-                getattr(bwd_mod.sparse_mla_bwd_ws64, "func", bwd_mod.sparse_mla_bwd_ws64)
-            ).parameters
             if "block_phase_ns" in ws64:
                 hi_ef = dict(v["native_ws64_s2_w2"], hoist_indices=True, evict_first_loads=True)
                 v["native_ws64_s2_w2_hi_ef"] = hi_ef

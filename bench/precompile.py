@@ -3,11 +3,12 @@ processes, before they run: TileLang compiles each kernel shape once (~10-15 s) 
 disk, so the later runs load them. Each worker uses its own cache folder (no two processes write
 one entry); the folders are merged into TileLang's cache at the end.
 
-  python bench/precompile.py [--heads 16 32 64] [--native-only TOPK ...] [--option NAME=VALUE ...]
+  python bench/precompile.py [--heads 16 32 64] [--native-only TOPK ...]
+      [--option-set NAME=VALUE[,NAME=VALUE ...] ...]
 
 --native-only: only the native route at these top-k widths (a benchmark's shapes, not the
-tests'); --option (repeatable): NativeKernelOptions fields set while compiling (a benchmark row's
-A/B options), each set of options a pass of its own with --option-set."""
+tests'); --option-set (repeatable): the native route compiled once more with these
+NativeKernelOptions fields (a benchmark row's A/B options), besides the defaults."""
 import argparse
 import ast
 import contextlib

@@ -3,6 +3,7 @@ patches the tree must have. A patch that patches/series lists must be in the tre
 code fails (never skips) when the code is missing, and test_series_features_are_in_the_tree names
 the patch. A patch the series does not list (dropped, or a rebase in progress) skips its tests
 with that reason."""
+import inspect
 import os
 import shutil
 
@@ -89,7 +90,7 @@ FEATURES = {
     "0115": ("NativeKernelOptions.bwd_wg0_dkv_chunks", lambda: _has_option("bwd_wg0_dkv_chunks")),
     "0125": ("NativeKernelOptions.bwd_block_phase_ns", lambda: _has_option("bwd_block_phase_ns")),
     "0123": ("native kernels below 16 heads",
-             lambda: HAVE_TILELANG and "pad_rows" in __import__("inspect").getsource(bwd_mod.bwd.func)),
+             lambda: HAVE_TILELANG and "pad_rows" in inspect.getsource(bwd_mod.bwd.func)),
 }
 
 

@@ -175,9 +175,9 @@ def test_precompile_plans_the_native_shapes_with_each_option_set(monkeypatch):
     with the defaults and once per option set (values parsed as Python literals); without them
     every route and shape of the tests."""
     import precompile
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
 
-    native = getattr(__import__("megatron.core.transformer.experimental_attention_variant.ops."
-                                "tilelang_dsa", fromlist=["x"]), "NOPE_NATIVE_AVAILABLE", False)
+    native = getattr(tilelang_dsa, "NOPE_NATIVE_AVAILABLE", False)
     plans = []
     monkeypatch.setattr(precompile, "compile_in_processes",
                         lambda fn, jobs: (plans.append(list(jobs)), (1, []))[1])
