@@ -40,6 +40,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_prev_bwd 512/2051  with wip/0125 applied: the backward without 0125's defaults (16 heads
                 on the head-block kernel, no hoisted indices, evict_first loads, block phase or
                 index sort), 16, 32 and 64 heads; checked against the native route
+  --ab NAME:FIELD=VALUE,...  512/2051  the native route with these NativeKernelOptions fields (an
+                A/B row named NAME, repeatable), every configuration with the native route;
+                checked against the native route
   native_heads_as_n 512/2051  with wip/0122 applied: NativeKernelOptions(bwd_heads_as_n=True) (the
                 16/32-head backward with the heads as the GEMMs' N; 8 heads as 16), 8, 16 and
                 32 heads at every length; checked against the native route
@@ -69,6 +72,7 @@ and the run's provenance (megatron-core version and label, a hash of the applied
 revision, date). `--render JSONL` rewrites the table and plot from rows already measured.
 """
 import argparse
+import ast
 import contextlib
 import datetime
 import hashlib
@@ -462,7 +466,7 @@ def run(args):
             return got["out"], got["dq"], got["dk"]
 
         def wanted(name):
-            return not args.rows or name in args.rows
+            return not args.rows or name in args.rows or name in dict(args.ab)
 
         def add(name, width, topk_width, make, fwd_only=False):
             if not wanted(name):
@@ -543,6 +547,11 @@ def run(args):
                     options=dict(bwd_ws64_16_heads=False, bwd_hoist_indices=False,
                                  bwd_evict_first_loads=False, bwd_block_phase_ns=0),
                     ref=native_results()))
+            for ab_name, ab_options in args.ab:
+                # --ab: the native route with these NativeKernelOptions fields, side by side
+                add(ab_name, 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=ab_options, ref=native_results()))
             if heads in (32, 64) and L == 32768 and has_native_option("bwd_ws64"):
                 # A/B of patches 0112 and 0113 (64-row tiles with warpgroup roles)
                 add("native_no_ws64", 512, 2051, fwd_bwd(
@@ -712,6 +721,20 @@ def render(jsonl, out):
     plot(rows, out / "h200-bench.png")
 
 
+def parse_ab(text):
+    """--ab's NAME:FIELD=VALUE[,FIELD=VALUE] as (NAME, {FIELD: VALUE})."""
+    name, sep, opts = text.partition(":")
+    if not sep or not name or not opts:
+        raise argparse.ArgumentTypeError(f"expected NAME:FIELD=VALUE[,FIELD=VALUE], got {text!r}")
+    options = {}
+    for opt in opts.split(","):
+        field, eq, value = opt.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {opt!r} in {text!r}")
+        options[field] = ast.literal_eval(value)
+    return name, options
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -722,6 +745,10 @@ def main():
     ap.add_argument("--score-order", action="store_true",
                     help="shuffle each query's k-pool indices (an indexer's top-k gives them in "
                     "score order; the generator sorts them)")
+    ap.add_argument("--ab", action="append", default=[], type=parse_ab,
+                    metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
+                    help="also a row NAME: the native route with these NativeKernelOptions fields "
+                    "(repeatable), checked against the native route")
     ap.add_argument("--render", metavar="JSONL", help="only rewrite the table and plot from JSONL")
     ap.add_argument("--kernels", metavar="ARCHIVE",
                     help="the make-kernels archive for first_call_shipped (default: dist/'s one)")

@@ -195,3 +195,17 @@ def test_precompile_plans_the_native_shapes_with_each_option_set(monkeypatch):
     precompile.main()
     assert len(plans[1]) == 3 * (len(precompile.PADDED) + len(precompile.NATIVE))
     assert all(job[4] == () for job in plans[1])
+
+
+def test_ab_rows_parse_name_and_options():
+    """bench.py --ab NAME:FIELD=VALUE,...: the row's name and its NativeKernelOptions fields
+    (values as Python literals); a malformed one is refused before anything runs."""
+    import argparse
+
+    import bench
+
+    assert bench.parse_ab("no_phase:bwd_block_phase_ns=0,bwd_hoist_indices=False") == (
+        "no_phase", {"bwd_block_phase_ns": 0, "bwd_hoist_indices": False})
+    for bad in ("no_colon", "name:", ":bwd_hoist_indices=False", "name:bwd_hoist_indices"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_ab(bad)
