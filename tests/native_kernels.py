@@ -88,7 +88,9 @@ FEATURES = {
     "0113": ("NativeKernelOptions.bwd_ws64", lambda: _has_option("bwd_ws64")),
     "0114": ("NativeKernelOptions.bwd_dkv_two_stages", lambda: _has_option("bwd_dkv_two_stages")),
     "0115": ("NativeKernelOptions.bwd_wg0_dkv_chunks", lambda: _has_option("bwd_wg0_dkv_chunks")),
-    "0125": ("NativeKernelOptions.bwd_block_phase_ns", lambda: _has_option("bwd_block_phase_ns")),
+    "0120": ("NativeKernelOptions.bwd_hoist_indices", lambda: _has_option("bwd_hoist_indices")),
+    "0121": ("NativeKernelOptions.bwd_block_phase_ns", lambda: _has_option("bwd_block_phase_ns")),
+    "0125": ("NativeKernelOptions.bwd_ws64_16_heads", lambda: _has_option("bwd_ws64_16_heads")),
     "0123": ("native kernels below 16 heads",
              lambda: HAVE_TILELANG and "pad_rows" in inspect.getsource(bwd_mod.bwd.func)),
 }

@@ -12,7 +12,6 @@ is tested in test_native_routing.py.
 
 Needs tilelang and nvcc; skipped with the reason otherwise.
 """
-import inspect
 import os
 import re
 import time
@@ -580,12 +579,6 @@ def test_bwd_native_ws64_wg0_dkv_chunks(sm90):
     assert _only_smem(smem) == _only_smem(two_smem)
 
 
-def _ws64_takes(param):
-    fn = getattr(bwd_mod, "sparse_mla_bwd_ws64", None)
-    fn = getattr(fn, "func", fn)
-    return fn is not None and param in inspect.signature(fn).parameters
-
-
 # the CUDA statements that order the warpgroups' work (named and CTA barriers, mbarrier waits
 # and arrives, wgmma waits); fences are left out (the hand-issued copies add two harmless ones)
 _ORDERING = re.compile(
@@ -596,26 +589,30 @@ _ORDERING = re.compile(
 
 @needs_tilelang
 @needs_nvcc
-@needs("0115")
-@pytest.mark.skipif(not _ws64_takes("evict_first_loads"),
-                    reason="wip/0121 (hoist_indices, evict_first_loads, block_phase_ns) is not applied")
+@needs("0120")
 def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
-    """wip/0121: with hoisted indices, evict_first copies issued by hand (TileLang plans no sync
-    for them: it does not see their shared writes) and the timer phase, 0115's kernel keeps its
-    sequence of barriers, waits and arrives, plus one CTA barrier after thread 0 writes the phase
-    slot (read once, never written again); the copies replace TileLang's, one for one."""
+    """0120: with hoisted indices and evict_first copies issued by hand (TileLang plans no sync
+    for them: it does not see their shared writes), 0115's kernel keeps its sequence of barriers,
+    waits and arrives, and the copies replace TileLang's, one for one. 0121's timer phase adds
+    one CTA barrier after thread 0 writes the phase slot (read once, never written again)."""
     topk = _round_up(2051, BWD_BLOCK)
     base = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2)
+    phase_ns = 8000 if has("0121") else 0
+    levers = dict(hoist_indices=True, evict_first_loads=True)
+    if phase_ns:
+        levers["block_phase_ns"] = phase_ns
     # the same build as test_bwd_native_ws64_wg0_dkv_chunks's (one compile)
     off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2",
                        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base)
-    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph8000",
-                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, hoist_indices=True,
-                      evict_first_loads=True, block_phase_ns=8000, **base)
+    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns}",
+                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base, **levers)
     seq_on, seq_off = _ORDERING.findall(on), _ORDERING.findall(off)
-    assert seq_on[:2] == ["__syncthreads()", "__syncthreads()"] and seq_on[1:] == seq_off
-    phase = re.findall(r"phase\[0\] = [^;]*glm_globaltimer\(\) / \(uint64_t\)8000\)", on)
-    assert len(phase) == 1 and len(re.findall(r"phase\[0\] =", on)) == 1
+    if phase_ns:
+        assert seq_on[:2] == ["__syncthreads()", "__syncthreads()"] and seq_on[1:] == seq_off
+        phase = re.findall(r"phase\[0\] = [^;]*glm_globaltimer\(\) / \(uint64_t\)8000\)", on)
+        assert len(phase) == 1 and len(re.findall(r"phase\[0\] =", on)) == 1
+    else:
+        assert seq_on == seq_off and "glm_globaltimer" not in on
     assert "L2::evict_first" in on and "L2::evict_first" not in off
     copies = len(re.findall(r"cp_async_gs(?:_conditional)?<16>", off))
     assert on.count("glm_cp_async16_evict_first(") == copies + 1  # + the helper's definition

@@ -152,9 +152,10 @@ def test_plan_is_the_glm_set(glm_plan):
                 assert c["args"] == [kernel_heads, 512, 2080]
                 want = {"dkv_stages": 2} if has("0114") else {}
                 want = dict(want, wg0_dkv_chunks=2) if has("0115") else want
-                if has("0125"):  # hoisted indices, evict_first loads, the timer phase
-                    want = dict(want, hoist_indices=True, evict_first_loads=True,
-                                block_phase_ns=8000)
+                if has("0120"):  # hoisted indices, evict_first loads
+                    want = dict(want, hoist_indices=True, evict_first_loads=True)
+                if has("0121"):  # the timer phase
+                    want = dict(want, block_phase_ns=8000)
                 assert c["kwargs"] == want
             elif c["kind"] == "fwd":
                 assert (a["heads"], a["dim"], a["topk"]) == (kernel_heads, 512, 2112)

@@ -183,8 +183,8 @@ class KernelFakes:
         return kernel
 
     def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
-        # 0113's kernel: the scale at each call, dKV added in 0106's line order; wip/0125's
-        # levers (hoist_indices, evict_first_loads, block_phase_ns) change no result
+        # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
+        # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns) change no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
@@ -608,7 +608,7 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     rows64 = kernel_heads in (32, 64)
     native_heads = heads if has("0123") else kernel_heads  # 0123: 8 heads on 16-row tiles
-    # wip/0125: the 64-row backward at 16 heads too, its indices sorted by key (block phase)
+    # wip/0125: the 64-row backward at 16 heads too
     bwd_rows64 = native_heads in ((16, 32, 64) if has("0125") else (32, 64))
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
     bwd = [b for b in fakes.builds if b["kind"].startswith("bwd")]
@@ -623,10 +623,11 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         assert bwd[0]["topk"] == _round_up(topk, BWD_BLOCK) and post[0]["lines"]
         assert bwd[0]["dkv_stages"] == (2 if has("0114") else 1)  # 0114: two stages by default
         assert bwd[0]["wg0_dkv_chunks"] == (2 if has("0115") else 0)  # 0115: WG0 takes two
-        if has("0125"):
+        if has("0120"):  # by default a block's indices loaded once, evict_first loads
             assert bwd[0]["hoist_indices"] and bwd[0]["evict_first_loads"]
+        if has("0121"):  # by default the timer phase, over each query's indices sorted by key
             assert bwd[0]["block_phase_ns"] == 8000
-    sorted_bwd = has("0125") and bwd[0]["kind"] == "bwd_ws64"
+    sorted_bwd = has("0121") and bwd[0]["kind"] == "bwd_ws64"
     for c in fakes.calls:
         assert c["kv"].data_ptr() == key.data_ptr()
         if sorted_bwd and c["kind"] == "bwd":  # the same indices, each row in key order
