@@ -794,3 +794,24 @@ def test_576_keeps_the_rope_tail_path(fakes, monkeypatch):
     ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, 576 ** -0.5, grad)
     for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
         assert (got.float() - ref).norm() / ref.norm() < 2e-2
+
+
+@needs("0121")
+@pytest.mark.parametrize("in_place", [False, True])
+def test_sort_rows_sorts_each_row_a_few_rows_at_a_time(in_place):
+    """0121's _sort_rows: each row in ascending order (-1 first), the whole tensor whatever the
+    number of passes; in place it sorts the given tensor's storage, else it leaves it as given."""
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_bwd as bwd_mod,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(-1, 1000, (2, 7, 1, 33), generator=g, dtype=torch.int32)
+    given = idx.clone()
+    got = bwd_mod._sort_rows(idx, in_place=in_place, rows_per_pass=3)  # 14 rows: 5 passes
+    assert got.shape == given.shape and got.dtype == torch.int32
+    assert torch.equal(got, given.sort(dim=-1).values)
+    if in_place:
+        assert got.data_ptr() == idx.data_ptr()
+    else:
+        assert torch.equal(idx, given) and got.data_ptr() != idx.data_ptr()

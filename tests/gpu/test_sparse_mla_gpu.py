@@ -125,6 +125,23 @@ def test_native_backward_wg0_dkv_chunks_match_fp32_reference(monkeypatch, heads,
                                            bwd_wg0_dkv_chunks=wg0_chunks)
 
 
+# 0120/0121: 0113's backward with each of its levers on alone, and all off (0115's kernel); every
+# other 32/64-head case runs the defaults (all on). The indices come in random order, as an
+# indexer's score order gives them: with the phase on the backward sorts each row, in place in its
+# padded copy (top-k 65) or into a new tensor (2080, already a whole number of key blocks), and
+# the helper checks that the caller's indices are left as given.
+@needs("0121")
+@pytest.mark.parametrize("topk", [65, 2080])
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("lever", ["none", "hoist_indices", "evict_first_loads", "block_phase"])
+def test_native_backward_levers_match_fp32_reference(monkeypatch, heads, topk, lever):
+    levers = dict(bwd_hoist_indices=lever == "hoist_indices",
+                  bwd_evict_first_loads=lever == "evict_first_loads",
+                  bwd_block_phase_ns=8000 if lever == "block_phase" else 0)
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + len(lever), 9,
+                                           shuffle=True, **levers)
+
+
 # wip/0116 (a draft, not in the series): the backward with an add warpgroup, in runs that apply it
 # with WIP_PATCHES
 @pytest.mark.skipif(not _has_option("bwd_add_warpgroup"),
@@ -173,14 +190,22 @@ def test_native_deterministic_backward_is_bitwise_repeatable(monkeypatch, heads,
                 assert torch.equal(a, b), f"{name} differs between two identical runs"
 
 
-def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row, **options):
+def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row,
+                                           shuffle=False, **options):
     """The native route's fwd+bwd with NativeKernelOptions `options` against the FP32 reference
-    (200 queries, row `empty_row` without a valid index: its dq must be exactly zero)."""
+    (200 queries, row `empty_row` without a valid index: its dq must be exactly zero; shuffle:
+    each row's indices in random order, -1 entries among them, instead of ascending)."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
     q, k, do, idx = make(200, heads, 512, topk, seed=seed, empty_rows=(empty_row,))
+    if shuffle:
+        g = torch.Generator().manual_seed(seed)
+        order = torch.rand(idx.shape, generator=g).argsort(dim=-1).to(idx.device)
+        idx = idx.gather(-1, order)
+    given = idx.clone()
     with override_native_kernel_options(**options):
         got = run_fused(q, k, idx, do)
+    assert torch.equal(idx, given), "the backward changed the caller's indices"
     ref = run_reference(q, k, idx, do)
     for name, a, b in zip(("out", "dq", "dk"), got, ref):
         assert torch.isfinite(a.float()).all(), f"{name} has non-finite values"
