@@ -31,6 +31,7 @@ from native_kernels import (
     TAIL,
     bwd_mod,
     fwd_mod,
+    has,
     listed,
     needs,
     needs_nvcc,
