@@ -36,15 +36,15 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   cp.reduce.async.bulk, one 256-byte row a thread; one and two accumulator stages); with
   WIP_PATCHES=wip/0119-l2-hints.patch native_ws64_s2_w2_l2<tag> (0115's kernel with L2 eviction
   hints, L2_HINTS);
-  with WIP_PATCHES=wip/0120 native_ws64_s2_w2_hi (WG1 loads a block's indices once, not per chunk);
-  with WIP_PATCHES=wip/0121 native_ws64_s2_w2_ef / _hi_ef (Q, dO and the KV gather evict_first in
-  L2) and _ph<t> / _hi_ef_ph<t> (a CTA's first key block from the global timer, --block-phase-ns;
+  native_ws64_s2_w2_hi (0120: each warpgroup loads a block's indices once, not per chunk),
+  native_ws64_s2_w2_ef / _hi_ef (0120: Q, dO and the KV gather evict_first in L2) and _ph<t> /
+  _hi_ef_ph<t> (0121: a CTA's first key block from the global timer, --block-phase-ns;
   --unsorted shuffles each query's indices);
   with WIP_PATCHES=wip/0122 at 16 and 32 heads native_ws64t_w2/w3/w4 and _s1_w2 (the heads as
   the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage),
-  _w2_hi (indices hoisted as wip/0121's), and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two
+  _w2_hi (indices hoisted as 0120's), and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two
   CTAs an SM);
-  with wip/0121 and wip/0124 also at 16 heads (the ws64 kernel as 64 rows)
+  with wip/0124 also at 16 heads (the ws64 kernel as 64 rows)
   native_ws64_s2_w2_hi_ef and _hi_ef_ph<t>;
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
   dKV at the scale _fixed_point_scale picks on the device, built with the run-time softmax scale
@@ -121,12 +121,12 @@ def chunk_variants(heads):
         if hasattr(bwd_mod, "sparse_mla_bwd_ws64_tma"):  # wip/0118: TMA bulk adds, column order
             v["native_ws64_tma"] = dict(base, ws64=True, tma_dkv_add=True)
             v["native_ws64_s2_tma"] = dict(base, ws64=True, tma_dkv_add=True, dkv_stages=2)
-        if "hoist_indices" in ws64:  # wip/0120 / 0121: a block's indices loaded once, not per chunk
+        if "hoist_indices" in ws64:  # 0120: a block's indices loaded once, not per chunk
             v["native_ws64_s2_w2_hi"] = dict(v["native_ws64_s2_w2"], hoist_indices=True)
-        if "evict_first_loads" in ws64:  # wip/0121: Q, dO and the KV gather evict_first in L2
+        if "evict_first_loads" in ws64:  # 0120: Q, dO and the KV gather evict_first in L2
             v["native_ws64_s2_w2_ef"] = dict(v["native_ws64_s2_w2"], evict_first_loads=True)
             v["native_ws64_s2_w2_hi_ef"] = dict(v["native_ws64_s2_w2_hi"], evict_first_loads=True)
-        if "block_phase_ns" in ws64:  # wip/0121: a CTA's first key block from the global timer
+        if "block_phase_ns" in ws64:  # 0121: a CTA's first key block from the global timer
             for t in VARIANT_SETS.get("block_phase_ns") or (8000,):
                 v[f"native_ws64_s2_w2_ph{t}"] = dict(v["native_ws64_s2_w2"], block_phase_ns=t)
                 v[f"native_ws64_s2_w2_hi_ef_ph{t}"] = dict(v["native_ws64_s2_w2_hi_ef"],
@@ -160,7 +160,7 @@ def chunk_variants(heads):
         s2w2 = dict(base, ws64=True, dkv_stages=2, wg0_dkv_chunks=2)
         if heads == 16:
             v["native_ws64_s2_w2"] = dict(s2w2, dkv_lines=True)
-            # with wip/0121 the fp32 kernel at 16 heads (as 64 rows) with its levers too
+            # with 0120/0121 the fp32 kernel at 16 heads (as 64 rows) with its levers too
             if "block_phase_ns" in ws64:
                 hi_ef = dict(v["native_ws64_s2_w2"], hoist_indices=True, evict_first_loads=True)
                 v["native_ws64_s2_w2_hi_ef"] = hi_ef
@@ -261,7 +261,7 @@ def main():
     ap.add_argument("--ref", nargs="*", help="check the variants against the first of these that "
                     "a head count has (default: native)")
     ap.add_argument("--block-phase-ns", type=int, nargs="*",
-                    help="wip/0121's block_phase_ns values for the _ph<t> rows (default 8000)")
+                    help="0121's block_phase_ns values for the _ph<t> rows (default 8000)")
     ap.add_argument("--unsorted", action="store_true",
                     help="shuffle each query's indices (megatron's indexer gives them in score "
                     "order, the k-pool generator sorted): what block_phase_ns gains without sorting")
