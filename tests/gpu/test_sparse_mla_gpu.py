@@ -141,6 +141,22 @@ def test_native_backward_levers_match_fp32_reference(monkeypatch, heads, topk, l
                                            shuffle=True, **levers)
 
 
+# wip/0126 (a draft, not in the series): the head-block backward with the timer phase over
+# indices sorted by key, in runs that apply it with WIP_PATCHES; 16 heads on the head-block
+# kernel (wip/0125 would take them to the ws64 one), 8 heads (as 16, or with wip/0123 in-kernel)
+# and 128 (64-head blocks), on and off, indices shuffled.
+@pytest.mark.skipif(not _has_option("bwd_head_block_phase_ns"),
+                    reason="wip/0126 (NativeKernelOptions.bwd_head_block_phase_ns) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [8, 16, 128])
+@pytest.mark.parametrize("phase_ns", [0, 8000])
+def test_native_head_block_phase_matches_fp32_reference(monkeypatch, heads, topk, phase_ns):
+    extra = {"bwd_ws64_16_heads": False} if _has_option("bwd_ws64_16_heads") else {}
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 13, 5,
+                                           shuffle=True, bwd_head_block_phase_ns=phase_ns,
+                                           **extra)
+
+
 # wip/0116 (a draft, not in the series): the backward with an add warpgroup, in runs that apply it
 # with WIP_PATCHES
 @pytest.mark.skipif(not _has_option("bwd_add_warpgroup"),
