@@ -2,8 +2,8 @@
 take the caller's top-k width, address row seq_len_kv for -1 entries (0050, relying on TileLang's
 bounds predicate) and treat out-of-range indices as -1 (0080: no gather, no dKV atomic); memcheck
 shows whether any access leaves the tensors. Each call is checked (finite, and the results with
-out-of-range indices equal those with -1 in their place: out bitwise, dq and dk within 1e-3); the script exits non-zero on a failed
-check. As scripts/gpu_run.sh sanitize runs it:
+out-of-range indices equal those with -1 in their place: out bitwise, dq and dk within 1e-3); the
+script exits non-zero on a failed check. As scripts/gpu_run.sh sanitize runs it:
 
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_native.py [--quick]
 
@@ -36,6 +36,12 @@ def fwd_bwd(q0, k0, idx, do):
     return out.detach(), q.grad, k.grad
 
 
+def close(a, b):
+    """Within 1e-3 relative L2 (dq sums its key blocks in 0121's timer-given order, dk adds in any
+    order)."""
+    return bool((a.float() - b.float()).norm() <= 1e-3 * a.float().norm())
+
+
 os.environ["MCORE_DSA_TILELANG_NOPE"] = "native"
 failed = []
 ap = argparse.ArgumentParser()
@@ -54,10 +60,6 @@ if args.quick:
     # top-k 257 at 32/64 heads: three 64-key block pairs, so 0112's forward reuses its KV halves,
     # P and max buffers and runs both phases of its barriers
     CASES = ((64, 16, 2051), (64, 32, 257), (64, 64, 257))
-def close(a, b):
-    return bool((a.float() - b.float()).norm() <= 1e-3 * a.float().norm())
-
-
 for sq, heads, topk in CASES:
     g = torch.Generator(device="cuda").manual_seed(sq)
     q = torch.randn(sq, 1, heads, 512, generator=g, device="cuda").to(torch.bfloat16)
@@ -74,7 +76,6 @@ for sq, heads, topk in CASES:
     a, b = fwd_bwd(q, k, ref, do), fwd_bwd(q, k, oob, do)
     checks = dict(finite=all(bool(torch.isfinite(t.float()).all()) for t in a + b),
                   out_equal=torch.equal(a[0], b[0]),
-                  # dq sums its key blocks in a timer-given order (0121) and dk adds in any order
                   dq_close=close(a[1], b[1]), dk_close=close(a[2], b[2]))
     print(f"sq {sq} heads {heads} topk {topk}: {checks}", flush=True)
     failed += [f"{sq}/{heads}/{topk}: {k}" for k, ok in checks.items() if not ok]

@@ -811,10 +811,6 @@ def test_576_keeps_the_rope_tail_path(fakes, monkeypatch):
 def test_sort_rows_sorts_each_row_a_few_rows_at_a_time(in_place):
     """0121's _sort_rows: each row in ascending order (-1 first), the whole tensor whatever the
     number of passes; in place it sorts the given tensor's storage, else it leaves it as given."""
-    from megatron.core.transformer.experimental_attention_variant.ops import (
-        tilelang_sparse_mla_bwd as bwd_mod,
-    )
-
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(-1, 1000, (2, 7, 1, 33), generator=g, dtype=torch.int32)
     given = idx.clone()
