@@ -50,6 +50,10 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 WG1 computes and adds every dKV chunk), 32k/32 and 64 heads; checked against
                 the native route
   padded_fwd / native_fwd   the same, forward only
+  native_fwd_beside_gemm / native_fwd_cta_beside_gemm  native_fwd with a side stream kept busy by
+                8192^3 bf16 GEMMs enqueued before each call (another kernel shares the GPU), with
+                the persistent forward and with NativeKernelOptions(fwd_ws_persistent=False), a
+                CTA a query (issue #18: the persistent form must not lose there), 32k/16 heads
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
@@ -241,6 +245,24 @@ class FlashMLAFwd:
         return out[:, : self.heads], lse[:, : self.heads] / math.log(2)
 
 
+def gemm_beside(count=24, size=8192):
+    """A launcher that keeps a side stream busy with count size^3 bf16 GEMMs (about 1 ms each on
+    an H200), enqueued after the work already on the current stream: the call timed right after
+    it shares the GPU with them throughout."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    a, b, c = (torch.randn(size, size, device=DEV).to(torch.bfloat16) for _ in range(3))
+
+    def launch():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(count):
+                torch.matmul(a, b, out=c)
+
+    return launch
+
+
 def timed(call, reps):
     import torch
 
@@ -401,19 +423,24 @@ def run(args):
         do = torch.randn(L, 1, heads, 512, generator=g, device=DEV).to(torch.bfloat16)
         scale = 512 ** -0.5
 
-        def fwd_bwd(fn, q0, k0, ix, fwd_only=False, ref=None, options=None, repeat=False):
+        def fwd_bwd(fn, q0, k0, ix, fwd_only=False, ref=None, options=None, repeat=False,
+                    beside=None):
             """make() for measure(); with ref = (out, dq, dk) of the native route, the row gets
             the relative L2 of its results against it, from one more call after the timed ones
             (so holding them does not change the measured peak). options: NativeKernelOptions
             fields for the whole fwd+bwd (the A/B rows). repeat: three more calls, and the row
             says whether their dq and dk are bitwise equal (bitwise_repeat) and gives a hash of
-            dq and dk to compare across processes (grads_sha256)."""
+            dq and dk to compare across processes (grads_sha256). beside: a callable that
+            enqueues other work on a side stream before each call (gemm_beside)."""
             def make():
                 q = q0.detach().clone().requires_grad_(not fwd_only)
                 k = k0.detach().clone().requires_grad_(not fwd_only)
+                launch = beside() if beside else None
 
                 def call(keep=None):
                     q.grad = k.grad = None
+                    if launch is not None:
+                        launch()
                     with native_options(**(options or {})):
                         if fwd_only:
                             with torch.no_grad():
@@ -563,6 +590,13 @@ def run(args):
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)
+            if heads == 16 and L == 32768 and has_native_option("fwd_ws_persistent"):
+                # the persistent forward (0070) and a CTA a query with another kernel beside them
+                for name, persistent in (("native_fwd_beside_gemm", True),
+                                         ("native_fwd_cta_beside_gemm", False)):
+                    add(name, 512, 2051, fwd_bwd(
+                        hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
+                        options=dict(fwd_ws_persistent=persistent)), True)
         if wanted("cudnn") or wanted("cudnn_fwd"):
             if cudnn_mod is None:
                 for name in ("cudnn", "cudnn_fwd"):
