@@ -38,14 +38,11 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_add_wg 512/2051  with wip/0116 applied: NativeKernelOptions(bwd_add_warpgroup=True) (a third
                 warpgroup adds dKV), 32k/32 and 64 heads; checked against the native route
   native_prev_bwd 512/2051  the backward without 0120's and 0121's defaults (no hoisted indices,
-                evict_first loads, block phase or index sort; with wip/0125 also 16 heads on the
-                head-block kernel), 16, 32 and 64 heads; checked against the native route
+                evict_first loads, block phase or index sort), 32 and 64 heads; checked against
+                the native route
   --ab NAME:FIELD=VALUE,...  512/2051  the native route with these NativeKernelOptions fields (an
                 A/B row named NAME, repeatable), every configuration with the native route;
                 checked against the native route
-  native_heads_as_n 512/2051  with wip/0122 applied: NativeKernelOptions(bwd_heads_as_n=True) (the
-                16/32-head backward with the heads as the GEMMs' N; 8 heads as 16), 8, 16 and
-                32 heads at every length; checked against the native route
   native_wg1_dkv 512/2051  the same with NativeKernelOptions(bwd_wg0_dkv_chunks=0) (without 0115:
                 WG1 computes and adds every dKV chunk), 32k/32 and 64 heads; checked against
                 the native route
@@ -559,23 +556,14 @@ def run(args):
                 add("native_add_wg", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_add_warpgroup=True), ref=native_results()))
-            if heads in (8, 16, 32) and has_native_option("bwd_heads_as_n") and wanted(
-                    "native_heads_as_n"):
-                # wip/0122 (a draft): the 16/32-head backward with the heads as the GEMMs' N
-                add("native_heads_as_n", 512, 2051, fwd_bwd(
-                    hook_fn(heads, "native"), q512, k512, idx,
-                    options=dict(bwd_heads_as_n=True), ref=native_results()))
-            if heads in (16, 32, 64) and has_native_option("bwd_block_phase_ns") and wanted(
+            if heads in (32, 64) and has_native_option("bwd_block_phase_ns") and wanted(
                     "native_prev_bwd"):
-                # A/B of patches 0120 and 0121 (and wip/0125 where applied): the backward as
-                # before them (no hoisted indices, no evict_first loads, no block phase and no
-                # index sort; 16 heads on the head-block kernel)
-                prev = dict(bwd_hoist_indices=False, bwd_evict_first_loads=False,
-                            bwd_block_phase_ns=0)
-                if has_native_option("bwd_ws64_16_heads"):
-                    prev["bwd_ws64_16_heads"] = False
+                # A/B of patches 0120 and 0121: 0113's backward as before them (no hoisted
+                # indices, no evict_first loads, no block phase and no index sort)
                 add("native_prev_bwd", 512, 2051, fwd_bwd(
-                    hook_fn(heads, "native"), q512, k512, idx, options=prev,
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(bwd_hoist_indices=False, bwd_evict_first_loads=False,
+                                 bwd_block_phase_ns=0),
                     ref=native_results()))
             for ab_name, ab_options in args.ab:
                 # --ab: the native route with these NativeKernelOptions fields, side by side

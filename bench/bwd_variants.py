@@ -40,10 +40,6 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   native_ws64_s2_w2_ef / _hi_ef (0120: Q, dO and the KV gather evict_first in L2) and _ph<t> /
   _hi_ef_ph<t> (0121: a CTA's first key block from the global timer, --block-phase-ns;
   --unsorted shuffles each query's indices);
-  with WIP_PATCHES=wip/0122 at 16 and 32 heads native_ws64t_w2/w3/w4 and _s1_w2 (the heads as
-  the GEMMs' N: 64-key tiles, no zero rows; w<m>: WG0's dKV chunks, s1: one accumulator stage),
-  _w2_hi (indices hoisted as 0120's), and at 16 heads _s2_w2_c2 / _s1_w2_c2 / _s1_w4_c2 (two
-  CTAs an SM);
   with wip/0124 also at 16 heads (the ws64 kernel as 64 rows)
   native_ws64_s2_w2_hi_ef and _hi_ef_ph<t>;
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
@@ -141,18 +137,6 @@ def chunk_variants(heads):
             pbase = "native_ws64_s2_w2" if "native_ws64_s2_w2" in v else "native_ws64_s2"
             for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp", "adds_only"):
                 v[f"{pbase}_{probe}"] = dict(v[pbase], probe=probe)
-    if heads in (16, 32) and hasattr(bwd_mod, "sparse_mla_bwd_ws64t"):
-        # wip/0122: the heads as the GEMMs' N (64-key tiles, no zero rows), dKV in line order;
-        # _s1: one dKV accumulator stage, _w<m>: WG0 takes m chunks, _c2: two CTAs an SM
-        t = dict(base, ws64t=True, dkv_lines=True)
-        for m in (2, 3, 4):
-            v[f"native_ws64t_w{m}"] = dict(t, dkv_stages=2, wg0_dkv_chunks=m)
-        v["native_ws64t_s1_w2"] = dict(t, dkv_stages=1, wg0_dkv_chunks=2)
-        v["native_ws64t_w2_hi"] = dict(v["native_ws64t_w2"], hoist_indices=True)
-        if heads == 16:  # 101 KB of shared memory a CTA
-            for s_, m in ((2, 2), (1, 2), (1, 4)):
-                v[f"native_ws64t_s{s_}_w{m}_c2"] = dict(t, dkv_stages=s_, wg0_dkv_chunks=m,
-                                                        ctas_per_sm=2)
     if heads in (16, 32, 64) and "dkv_fixed" in ws64:
         # wip/0124 (issue #21): int64 fixed-point dKV adds (column order), the wrapper's stages 2
         # and WG0 chunks 2; at 16 heads the fp32 kernel at 64 rows beside it (the 64-bit adds'
@@ -215,10 +199,6 @@ def build(heads, cfg):
 
     if cfg.get("add_wg"):  # wip/0116 (dKV in column order)
         return bwd_mod.sparse_mla_bwd_ws64_add_wg(heads, 512, cfg["topk"], SCALE)
-    if cfg.get("ws64t"):  # wip/0122
-        extra = {k: cfg[k] for k in ("dkv_stages", "wg0_dkv_chunks", "ctas_per_sm", "hoist_indices")
-                 if k in cfg}
-        return bwd_mod.sparse_mla_bwd_ws64t(heads, 512, cfg["topk"], SCALE, **extra)
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
         extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks", "tma_dkv_add", "l2_hint",
                                       "hoist_indices", "evict_first_loads", "block_phase_ns",

@@ -7,10 +7,10 @@ script exits non-zero on a failed check. As scripts/gpu_run.sh sanitize runs it:
 
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_native.py [--quick]
 
---quick (for racecheck, which is slow on every shared-memory access): the 16-, 32- and 64-head
-cases only (the backward's line-ordered dKV add at 128 threads, 0106; 0112-0114's 64-row kernels
-at 32 heads, run as 64 rows, and at 64, with top-k 257: more than one block pair), with fewer
-queries.
+--quick (for racecheck, which is slow on every shared-memory access): the 8-, 16-, 32- and 64-head
+cases (8 heads: 0123's 16-row tiles with rows past the real heads; the backward's line-ordered
+dKV add at 128 threads, 0106; 0112-0114's 64-row kernels at 32 heads, run as 64 rows, and at 64,
+with top-k 257: more than one block pair), with fewer queries.
 --option NAME=VALUE (repeatable): run every case with that NativeKernelOptions field (a Python
 literal), e.g. a draft's kernel that a WIP_PATCHES run applied.
 """
@@ -59,7 +59,7 @@ CASES = ((300, 16, 2051), (256, 8, 65), (512, 64, 127), (300, 32, 2051))
 if args.quick:
     # top-k 257 at 32/64 heads: three 64-key block pairs, so 0112's forward reuses its KV halves,
     # P and max buffers and runs both phases of its barriers
-    CASES = ((64, 16, 2051), (64, 32, 257), (64, 64, 257))
+    CASES = ((64, 8, 257), (64, 16, 2051), (64, 32, 257), (64, 64, 257))
 for sq, heads, topk in CASES:
     g = torch.Generator(device="cuda").manual_seed(sq)
     q = torch.randn(sq, 1, heads, 512, generator=g, device="cuda").to(torch.bfloat16)

@@ -90,9 +90,6 @@ FEATURES = {
     "0115": ("NativeKernelOptions.bwd_wg0_dkv_chunks", lambda: _has_option("bwd_wg0_dkv_chunks")),
     "0120": ("NativeKernelOptions.bwd_hoist_indices", lambda: _has_option("bwd_hoist_indices")),
     "0121": ("NativeKernelOptions.bwd_block_phase_ns", lambda: _has_option("bwd_block_phase_ns")),
-    "0125": ("NativeKernelOptions.bwd_ws64_16_heads", lambda: _has_option("bwd_ws64_16_heads")),
-    "0126": ("NativeKernelOptions.bwd_head_block_phase_ns",
-             lambda: _has_option("bwd_head_block_phase_ns")),
     "0123": ("native kernels below 16 heads",
              lambda: HAVE_TILELANG and "pad_rows" in inspect.getsource(bwd_mod.bwd.func)),
 }

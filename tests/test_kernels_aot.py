@@ -116,8 +116,9 @@ def test_plan_is_the_glm_set(glm_plan):
     """Every (route, query heads) gets its forward, delta, backward and dKV-cast kernel, as the
     wrappers build them: native 512 (top-k 2051 at run time; the warp-specialized forward at 16
     kernel heads, persistent over an H200's 132 SMs, and at 32 without 0112; 0112/0113's 64-row
-    kernels at 32 and 64) and #7617's 576 (top-k padded to 2112). 8 query heads run as 16: the
-    same kernels, but for the native route's delta (0107: on the caller's 8 heads). (The
+    kernels at 32 and 64) and #7617's 576 (top-k padded to 2112). 8 query heads: the 576
+    route's kernels as at 16 heads (q padded), the native route's built for 8 heads (0123: 16-row
+    tiles with the rows past 8 never stored; before it, as at 16 but for the delta, 0107). (The
     indexer's kernels of the same plan: the next test.)"""
     _, calls = glm_plan
     calls = [c for c in calls if c["kind"] in SPARSE_MLA_KINDS]
@@ -133,10 +134,7 @@ def test_plan_is_the_glm_set(glm_plan):
         ws64 = rows64 and has("0112")
         ws = route == "native" and has("0070") and heads in (8, 16, 32) and not ws64
         fwd_kind = "fwd_ws64" if ws64 else "fwd_ws" if ws else "fwd"
-        # wip/0125: the 64-row backward at 16 kernel heads too (8 heads there without 0123)
-        bwd_rows64 = rows64 or (route == "native" and has("0125") and (
-            heads == 16 or (heads == 8 and not has("0123"))))
-        bwd_kind = "bwd_ws64" if bwd_rows64 and has("0113") else "bwd"
+        bwd_kind = "bwd_ws64" if rows64 and has("0113") else "bwd"
         assert kinds == sorted([bwd_kind, "post", "pre", fwd_kind]), (route, heads)
         kernel_heads = max(heads, 16)
         # 0123: the native kernels are built for the caller's heads (16-row tiles below 16)

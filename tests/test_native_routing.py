@@ -314,9 +314,9 @@ def _reference_grads(query, key, idx, scale, grad):
 
 
 def _bwd_sorts(kind):
-    """Does a backward kernel of this build kind get each query's indices sorted by key (the
-    timer phase: 0121's on bwd_ws64's kernel, wip/0126's on the head-block one)?"""
-    return (kind == "bwd_ws64" and has("0121")) or (kind == "bwd" and has("0126"))
+    """Does a backward kernel of this build kind get each query's indices sorted by key (0121's
+    timer phase, on bwd_ws64's kernel)?"""
+    return kind == "bwd_ws64" and has("0121")
 
 
 # (topk, sq, sk, seq bucket): 2051 is GLM-5.3-Flash's k-pool width; sq = 256 keeps the default
@@ -618,8 +618,7 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     rows64 = kernel_heads in (32, 64)
     native_heads = heads if has("0123") else kernel_heads  # 0123: 8 heads on 16-row tiles
-    # wip/0125: the 64-row backward at 16 heads too
-    bwd_rows64 = native_heads in ((16, 32, 64) if has("0125") else (32, 64))
+    bwd_rows64 = native_heads in (32, 64)
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
     bwd = [b for b in fakes.builds if b["kind"].startswith("bwd")]
     post = [b for b in fakes.builds if b["kind"] == "post"]
@@ -707,7 +706,8 @@ def test_native_save_output_matches_recompute(fakes, monkeypatch, heads):
     """0060: the native route keeps out/lse for backward (one forward kernel per fwd+bwd) and
     gives what upstream's recompute gives (NativeKernelOptions(save_output=False)), including zero
     output and gradients for rows with no valid index, which it no longer masks itself. 0107: with
-    padded heads (8 query heads run as 16) too, keeping only the caller's heads."""
+    padded heads (8 query heads run as 16 before 0123; since, 16-row tiles in the kernels) too,
+    keeping only the caller's heads."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
     sq, sk, topk, scale = 256, 512, 131, 512 ** -0.5
     empty = [0, 5, 200]

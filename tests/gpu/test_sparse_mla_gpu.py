@@ -141,22 +141,6 @@ def test_native_backward_levers_match_fp32_reference(monkeypatch, heads, topk, l
                                            shuffle=True, **levers)
 
 
-# wip/0126 (a draft, not in the series): the head-block backward with the timer phase over
-# indices sorted by key, in runs that apply it with WIP_PATCHES; 16 heads on the head-block
-# kernel (wip/0125 would take them to the ws64 one), 8 heads (as 16, or with wip/0123 in-kernel)
-# and 128 (64-head blocks), on and off, indices shuffled.
-@pytest.mark.skipif(not _has_option("bwd_head_block_phase_ns"),
-                    reason="wip/0126 (NativeKernelOptions.bwd_head_block_phase_ns) is not applied")
-@pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [8, 16, 128])
-@pytest.mark.parametrize("phase_ns", [0, 8000])
-def test_native_head_block_phase_matches_fp32_reference(monkeypatch, heads, topk, phase_ns):
-    extra = {"bwd_ws64_16_heads": False} if _has_option("bwd_ws64_16_heads") else {}
-    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 13, 5,
-                                           shuffle=True, bwd_head_block_phase_ns=phase_ns,
-                                           **extra)
-
-
 # wip/0116 (a draft, not in the series): the backward with an add warpgroup, in runs that apply it
 # with WIP_PATCHES
 @pytest.mark.skipif(not _has_option("bwd_add_warpgroup"),
@@ -166,23 +150,6 @@ def test_native_head_block_phase_matches_fp32_reference(monkeypatch, heads, topk
 def test_native_backward_add_warpgroup_matches_fp32_reference(monkeypatch, heads, topk):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 5, 3,
                                            bwd_add_warpgroup=True)
-
-
-# wip/0122 (a draft, not in the series): the 16/32-head backward with the heads as the GEMMs' N,
-# in runs that apply it with WIP_PATCHES; 8 heads reach it as 16 (padded by the hook, or with
-# wip/0123 as 16-row tiles in the kernel). Each
-# accumulator-stage / WG0-chunk split it can be built with, as 0114's and 0115's have.
-@pytest.mark.skipif(not _has_option("bwd_heads_as_n"),
-                    reason="wip/0122 (NativeKernelOptions.bwd_heads_as_n) is not applied")
-@pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [8, 16, 32])
-@pytest.mark.parametrize("stages,wg0_chunks", [(2, 2), (1, 2), (2, 3), (2, 0)])
-def test_native_backward_heads_as_n_matches_fp32_reference(monkeypatch, heads, topk, stages,
-                                                           wg0_chunks):
-    native_backward_matches_fp32_reference(monkeypatch, heads, topk,
-                                           heads + topk + 3 * wg0_chunks + stages, 5,
-                                           bwd_heads_as_n=True, bwd_dkv_two_stages=stages == 2,
-                                           bwd_wg0_dkv_chunks=wg0_chunks)
 
 
 # in runs that apply it with WIP_PATCHES (issue #21): the deterministic backward (int64
@@ -325,8 +292,8 @@ def test_native_saved_output_matches_recompute(monkeypatch, heads):
     """0060: keeping out/lse for backward (default) gives upstream's recompute results
     (NativeKernelOptions(save_output=False)): the same forward kernel, so the same output bit for bit,
     and the same backward kernel on the same out/lse (dkv's atomics may add in another order).
-    Rows with no valid index stay exactly zero without SparseMLA's head masks. 8 heads (0107):
-    the caller's heads kept, zero dO and delta for the padded ones: dq bit for bit too. Both
+    Rows with no valid index stay exactly zero without SparseMLA's head masks. 8 heads (0107,
+    0123): the caller's heads kept (in the kernels' 16-row tiles since 0123): dq bit for bit too. Both
     calls run without 0121's timer phase: with it dq sums its key blocks in a timer-given order
     at 32/64 heads, so two calls differ in the last bits whatever out/lse they take."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
