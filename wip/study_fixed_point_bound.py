@@ -26,10 +26,13 @@ final sum must fit)):
          (a pre-pass with the scores and dP GEMMs: the forward's cost), x (1 + 2^-7) for bf16 P
   bS     b with |dS| = P |dP - Delta| scale itself instead of P (|dP| + |Delta|) scale (the same
          pre-pass: it has dP and Delta), x (1 + 2^-7)
+  bC     per (i, j) the smaller of bS's term and a Cauchy-Schwarz one over the heads:
+         |dS_i:j|_2 max_d |q_i:d|_2 + |P_i:j|_2 max_d |dO_i:d|_2 (norms over the heads; the same
+         pre-pass, two per-query scalars more), x (1 + 2^-7)
   b2     b with |dP| <= |dO_ih| |k_j| (the pre-pass needs only the scores GEMM)
   d      P-free: b2 with P <= 1 (indices and row norms only)
-  b/64   b's smallest s over each block of 64 keys (one s per key block)
-  g/a, g/b  one s for all keys, from max_j of a or b (and max_j N_j)
+  bS/64  bS's smallest s over each block of 64 keys (one s per key block)
+  g/a, g/bS  one s for all keys, from max_j of a or bS (and max_j N_j)
   g/0124 wip/0124's a-priori global bound: ((max|dO row| (1+2^-6) max|k row| + max|Delta|)
          scale max|q| + max|dO|) * S * H + 1
 
@@ -51,9 +54,9 @@ import torch
 try:  # keep freed memory in the heap: the chunks' large temporaries otherwise page-fault anew
     import ctypes
     _libc = ctypes.CDLL("libc.so.6")
-    _libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-    _libc.mallopt(-1, 1 << 34)  # M_TRIM_THRESHOLD
-except OSError:
+    _libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap'd blocks
+    _libc.mallopt(-1, 1 << 36)  # M_TRIM_THRESHOLD
+except (OSError, AttributeError):
     pass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,10 +108,6 @@ def make_inputs(S, H, preset, seed):
     return qf.to(torch.bfloat16), kf.to(torch.bfloat16), dof.to(torch.bfloat16), idx
 
 
-def bf16r(x):
-    return x.to(torch.bfloat16).to(x.dtype)
-
-
 class Problem:
     def __init__(self, q, k, do, idx, scale):
         self.q64 = q.double()
@@ -127,11 +126,24 @@ class Problem:
         self.mdo = self.do64.abs().amax(-1)
         self.ndo = self.do64.norm(dim=-1)
         self.nk = self.k64.norm(dim=-1)  # [S+1]
+        # max over columns of the column's norm over the heads (Cauchy-Schwarz over the heads)
+        self.cq = self.q64.norm(dim=1).amax(-1)  # [S]
+        self.cdo = self.do64.norm(dim=1).amax(-1)
 
-    def chunk(self, q0, q1, want_exact):
-        """For queries q0..q1-1: keys [M] (S: none), ck [M,D] fp32 (the kernel's contributions);
-        with want_exact also c64 [M,D] (exact), the per-(i,j) bound terms [M,4] (b, bS, b2, d) and
-        Delta [n,H]. M = n * (the chunk's largest count of selected keys)."""
+    def keys(self, q0, q1):
+        """The chunk's packed keys, flattened [M] (S: none), M = n * its largest count."""
+        kc = int(self.count[q0:q1].max())
+        return self.idx[q0:q1, :kc].reshape(-1)
+
+    def contrib(self, q0, q1, lhs_k):
+        """The kernel's contributions [M,D] fp32 from chunk()'s bf16 [dS; P] [n,2H,Kc]."""
+        rhs = torch.cat([self.q64[q0:q1], self.do64[q0:q1]], 1)
+        return torch.bmm(lhs_k.double().transpose(1, 2), rhs).reshape(-1, D).float()
+
+    def chunk(self, q0, q1):
+        """For queries q0..q1-1: keys [M] (S: none), ck [M,D] fp32 (the kernel's contributions),
+        c64 [M,D] (exact), the per-(i,j) bound terms [M,5] (b, bS, b2, d, bC), Delta [n,H] and the
+        kernel's bf16 [dS; P] [n,2H,Kc]. M = n * (the chunk's largest count of selected keys)."""
         kc = int(self.count[q0:q1].max())
         ix = self.idx[q0:q1, :kc]  # [n,Kc]
         valid = ix < self.S
@@ -149,10 +161,8 @@ class Problem:
         delta = (P * dP).sum(-1, keepdim=True)  # [n,H,1]
         dS = P * (dP - delta) * self.scale
         rhs = torch.cat([Q, dO], 1)  # [n,2H,D]
-        lhs_k = torch.cat([bf16r(dS), bf16r(P)], 1).transpose(1, 2)  # [n,Kc,2H]
-        ck = torch.bmm(lhs_k, rhs).reshape(-1, D).float()
-        if not want_exact:
-            return keys, ck
+        lhs_bf = torch.cat([dS, P], 1).to(torch.bfloat16)  # [n,2H,Kc]: what the kernel has
+        ck = torch.bmm(lhs_bf.double().transpose(1, 2), rhs).reshape(-1, D).float()
         c64 = torch.bmm(torch.cat([dS, P], 1).transpose(1, 2), rhs).reshape(-1, D)
         mq = self.mq[q0:q1][:, :, None]
         mdo = self.mdo[q0:q1][:, :, None]
@@ -164,8 +174,11 @@ class Problem:
         dpb = ndo * nkj  # |dP| <= |dO_ih| |k_j|
         tb2 = (P * ((dpb + adelta) * self.scale * mq + mdo)).sum(1)
         td = ((dpb + adelta) * self.scale * mq + mdo).sum(1) * valid
-        terms = torch.stack([tb, tbs, tb2, td], -1).reshape(-1, 4)
-        return keys, ck, c64, terms, delta[..., 0]
+        # |sum_h dS_h q_hd| <= |dS_:|_2 |q_:d|_2 <= |dS_:|_2 max_d |q_:d|_2 (and P, dO alike)
+        tcs = dS.norm(dim=1) * self.cq[q0:q1, None] + P.norm(dim=1) * self.cdo[q0:q1, None]
+        tbc = torch.minimum(tbs, tcs)
+        terms = torch.stack([tb, tbs, tb2, td, tbc], -1).reshape(-1, 5)
+        return keys, ck, c64, terms, delta[..., 0], lhs_bf
 
 
 def shift(bound, n, limit):
@@ -206,25 +219,29 @@ def run_config(S, H, preset, chunk, seed, log):
     # ---- pass 1: exact dK, exact sum of the kernel's contributions, sum |ck|, bounds, fp32 sums
     # one extra row (S) takes the padding entries' zero contributions
     acc = torch.zeros(S + 1, 3, D, dtype=torch.float64)  # c64, ck, |ck|
-    bnd = torch.zeros(S + 1, 4, dtype=torch.float64)  # b, bS, b2, d
-    acc32 = torch.zeros(S + 1, D)  # fp32 atomics, order A (chunks in random order, sequential)
-    acc32b = torch.zeros(S + 1, D)  # order B: each chunk summed first (reversed), then added
-    buf = torch.zeros(S + 1, D)
+    bnd = torch.zeros(S + 1, 5, dtype=torch.float64)  # b, bS, b2, d, bC
+    # fp32 atomics: [:, 0] order A (chunks in random order, each query's adds in turn),
+    # [:, 1] this chunk's sum; acc32b, order B: each chunk summed first, then added
+    acc32 = torch.zeros(S + 1, 2, D)
+    acc32b = torch.zeros(S + 1, D)
+    stored = {}  # the kernel's bf16 [dS; P] per chunk, for pass 2
     nsel = torch.zeros(S + 1, dtype=torch.long)
     max_delta = 0.0
     for q0, q1 in chunks:
-        keys, ck, c64, terms, delta = pb.chunk(q0, q1, True)
+        keys, ck, c64, terms, delta, stored[q0] = pb.chunk(q0, q1)
         ckd = ck.double()
         acc.index_add_(0, keys, torch.stack([c64, ckd, ckd.abs()], 1))
-        bnd.index_add_(0, keys, terms)
-        acc32.index_add_(0, keys, ck)
-        buf.zero_()
-        buf.index_add_(0, keys.flip(0), ck.flip(0))
-        acc32b.add_(buf)
+        del c64, ckd
+        for c in range(terms.size(1)):
+            bnd[:, c] += torch.bincount(keys, weights=terms[:, c], minlength=S + 1)
+        acc32[:, 1].zero_()
+        acc32.index_add_(0, keys, ck[:, None, :].expand(-1, 2, -1))
+        acc32b.add_(acc32[:, 1])
+        del ck
         nsel += torch.bincount(keys, minlength=S + 1)
         max_delta = max(max_delta, delta.abs().max().item())
     t1 = time.time()
-    acc, bnd, acc32, acc32b, nsel = acc[:S], bnd[:S], acc32[:S], acc32b[:S], nsel[:S]
+    acc, bnd, acc32, acc32b, nsel = acc[:S], bnd[:S], acc32[:S, 0], acc32b[:S], nsel[:S]
     dK64, dKk, sabs = acc[:, 0], acc[:, 1], acc[:, 2]
     has = nsel > 0
     nz = has & (dKk.norm(dim=-1) > 0)
@@ -236,6 +253,7 @@ def run_config(S, H, preset, chunk, seed, log):
     Bbs = bnd[:, 1] * P_MARGIN
     Bb2 = bnd[:, 2] * P_MARGIN
     Bd = bnd[:, 3] * P_MARGIN
+    Bbc = bnd[:, 4] * P_MARGIN
     a_dO = pb.ndo.max().item() * (1 + 2.0**-6)
     b_k = pb.nk.max().item()
     per_pair = (a_dO * b_k + max_delta) * scale * pb.q64.abs().max().item() + pb.do64.abs().max().item()
@@ -255,45 +273,52 @@ def run_config(S, H, preset, chunk, seed, log):
         sbs = shift(Bbs, Nf, lim)
         sb2 = shift(Bb2, Nf, lim)
         sd = shift(Bd, Nf, lim)
+        sbc = shift(Bbc, Nf, lim)
         # keys that nobody selects keep s = 0; a block's min over the keys that are selected
-        sbm = torch.where(has, sb, torch.full_like(sb, math.inf))
-        sblk = torch.where(has, blk(sbm), sb)
+        sbm = torch.where(has, sbs, torch.full_like(sbs, math.inf))
+        sblk = torch.where(has, blk(sbm), sbs)
         ga = shift(A.max(), Nmax, lim) * torch.ones(S, dtype=torch.float64)
-        gb = shift(Bb.max(), Nmax, lim) * torch.ones(S, dtype=torch.float64)
+        gb = shift(Bbs.max(), Nmax, lim) * torch.ones(S, dtype=torch.float64)
         g0 = shift(torch.tensor(B0124, dtype=torch.float64), Nmax, lim) * torch.ones(S, dtype=torch.float64)
-        rows = [("a", sa, A), ("b", sb, Bb), ("bS", sbs, Bbs), ("b2", sb2, Bb2), ("d", sd, Bd)]
+        rows = [("a", sa, A), ("b", sb, Bb), ("bS", sbs, Bbs), ("bC", sbc, Bbc), ("b2", sb2, Bb2),
+                ("d", sd, Bd)]
         if design == "2":
-            rows += [("b/64", sblk, None), ("g/a", ga, None)]
-        rows += [("g/b", gb, None), ("g/0124", g0, None)]
+            rows += [("bS/64", sblk, None), ("g/a", ga, None)]
+        rows += [("g/bS", gb, None), ("g/0124", g0, None)]
         for name, s, B in rows:
             schemes.append(dict(design=design, bound=name, s=s, B=B))
     SC = torch.stack([torch.exp2(sc["s"]) for sc in schemes], 1).float()  # [S, nsch]
     SC = torch.cat([SC, torch.ones(1, SC.size(1))])  # the padding row
-    ver = [i for i, sc in enumerate(schemes) if sc["design"] == "2" and sc["bound"] in ("a", "b", "bS")]
+    ver = [i for i, sc in enumerate(schemes) if sc["design"] == "2" and sc["bound"] in ("a", "b", "bS", "bC")]
 
     # ---- pass 2: quantize the kernel's contributions for every scheme
     nsch = len(schemes)
     res = torch.zeros(S + 1, nsch, D)  # sum of (rint(x) - x), in units of 2^-s
-    accv = torch.zeros(S + 1, len(ver), D)  # design 2, a, b, bS: the fp32 sum of rint(x), order A
+    # design 2 with a, b, bS, bC: the fp32 sums of rint(x), [:, 0] order A, [:, 1] the chunk's
+    accv = torch.zeros(S + 1, 2, len(ver), D)
     accvb = torch.zeros(S + 1, len(ver), D)  # order B
-    bufv = torch.zeros(S + 1, len(ver), D)
+    mmax = chunk * int(pb.count.max())
+    xbuf = torch.empty(mmax, nsch, D)
+    rbuf = torch.empty(mmax, nsch, D)
     for q0, q1 in chunks:
-        keys, ck = pb.chunk(q0, q1, False)
-        x = ck[:, None, :] * SC[keys][:, :, None]  # exact: a power-of-two scale
-        r = torch.round(x)  # round half to even = rint
-        rv = r[:, ver]
-        accv.index_add_(0, keys, rv)
-        bufv.zero_()
-        bufv.index_add_(0, keys.flip(0), rv.flip(0))
-        accvb.add_(bufv)
+        keys = pb.keys(q0, q1)
+        ck = pb.contrib(q0, q1, stored.pop(q0))
+        m = keys.numel()
+        x, r = xbuf[:m], rbuf[:m]
+        torch.mul(ck[:, None, :], SC[keys][:, :, None], out=x)  # exact: a power-of-two scale
+        torch.round(x, out=r)  # round half to even = rint
+        accv[:, 1].zero_()
+        accv.index_add_(0, keys, r[:, None, ver].expand(-1, 2, -1, -1))
+        accvb.add_(accv[:, 1])
         r.sub_(x)
         res.index_add_(0, keys, r)
-        del x, r, rv
+        del ck, x, r
     t2 = time.time()
-    res, accv, accvb = res[:S], accv[:S], accvb[:S]
+    del xbuf, rbuf
+    res, accv, accvb = res[:S], accv[:S, 0], accvb[:S]
 
     # ---- results
-    out = dict(seq=S, heads=H, preset=preset, chunk=chunk, seed=seed,
+    out = dict(seq=S, heads=H, preset=preset, chunk=chunk, seed=seed, preset_args=PRESETS[preset],
                time_pass1_s=round(t1 - t0, 1), time_pass2_s=round(t2 - t1, 1))
     dkmax = dKk.abs().amax(-1)
     posm = has & (dkmax > 0)
@@ -307,18 +332,20 @@ def run_config(S, H, preset, chunk, seed, log):
         "D/max|dK|": pct((Bd / dkmax)[posm]),
         "B/A": pct((Bb / A)[posm]),
         "BS/A": pct((Bbs / A)[posm]),
+        "BC/A": pct((Bbc / A)[posm]),
         "B2/A": pct((Bb2 / A)[posm]),
         "A: max col / mean col": pct((A / sabs.mean(-1))[posm]),
         "A_max/A_j": pct((A.max() / A)[posm]),
-        "B_max/B_j": pct((Bb.max() / Bb)[posm]),
+        "BS_max/BS_j": pct((Bbs.max() / Bbs)[posm]),
     }
     viol = {}
-    for name, B in (("b", Bb), ("bS", Bbs), ("b2", Bb2), ("d", Bd)):
+    for name, B in (("b", Bb), ("bS", Bbs), ("bC", Bbc), ("b2", Bb2), ("d", Bd)):
         viol[name] = int((B < A)[has].sum())
     out["bound_violations"] = viol  # keys where the bound is below the exact sum |ck|
     out["B0124"] = B0124
     out["max_A"] = A.max().item()
     out["max_B"] = Bb.max().item()
+    out["max_BS"] = Bbs.max().item()
     base = {}
     base["fp32 atomics, order A"] = (rel(acc32.double() - dKk, dKk), rel(acc32.double() - dK64, dK64),
                                      pct(per_key_rel(acc32.double() - dKk, dKk, nz), (50, 99, 100)))
@@ -367,7 +394,8 @@ def print_tables(r):
       f"median {n[1]:.0f}, p90 {n[2]:.0f}, p99 {n[3]:.0f}, max {n[4]:.0f}; "
       f"keys selected by nobody: {r['keys_unselected']}")
     p(f"bound violations (bound < exact max-column sum |c|, keys): {r['bound_violations']}; "
-      f"max_j A_j {r['max_A']:.3g}, max_j B_j {r['max_B']:.3g}, 0124's global bound {r['B0124']:.3g}\n")
+      f"max_j A_j {r['max_A']:.3g}, max_j B_j {r['max_B']:.3g}, max_j BS_j {r['max_BS']:.3g}, "
+      f"0124's global bound {r['B0124']:.3g}\n")
     p("| ratio over keys | min | median | p90 | p99 | max |")
     p("| --- | --- | --- | --- | --- | --- |")
     for k, v in r["loose"].items():
