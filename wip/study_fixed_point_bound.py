@@ -121,6 +121,9 @@ class Problem:
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
         self.idx = torch.where(valid, idx, torch.full_like(idx, self.S)).gather(1, order)
         self.count = valid.sum(1)
+        # every chunk takes the same width (the largest count): the temporaries then have the same
+        # sizes from chunk to chunk and the heap (mmap is off, below) does not fragment
+        self.kc = int(self.count.max())
         self.scale = scale
         self.mq = self.q64.abs().amax(-1)  # [S,H]
         self.mdo = self.do64.abs().amax(-1)
@@ -131,9 +134,8 @@ class Problem:
         self.cdo = self.do64.norm(dim=1).amax(-1)
 
     def keys(self, q0, q1):
-        """The chunk's packed keys, flattened [M] (S: none), M = n * its largest count."""
-        kc = int(self.count[q0:q1].max())
-        return self.idx[q0:q1, :kc].reshape(-1)
+        """The chunk's packed keys, flattened [M] (S: none), M = n * the largest count."""
+        return self.idx[q0:q1, :self.kc].reshape(-1)
 
     def contrib(self, q0, q1, lhs_k):
         """The kernel's contributions [M,D] fp32 from chunk()'s bf16 [dS; P] [n,2H,Kc]."""
@@ -143,9 +145,8 @@ class Problem:
     def chunk(self, q0, q1):
         """For queries q0..q1-1: keys [M] (S: none), ck [M,D] fp32 (the kernel's contributions),
         c64 [M,D] (exact), the per-(i,j) bound terms [M,5] (b, bS, b2, d, bC), Delta [n,H] and the
-        kernel's bf16 [dS; P] [n,2H,Kc]. M = n * (the chunk's largest count of selected keys)."""
-        kc = int(self.count[q0:q1].max())
-        ix = self.idx[q0:q1, :kc]  # [n,Kc]
+        kernel's bf16 [dS; P] [n,2H,Kc]. M = n * Kc, Kc the largest count of selected keys."""
+        ix = self.idx[q0:q1, :self.kc]  # [n,Kc]
         valid = ix < self.S
         keys = ix.reshape(-1)
         Kg = self.k64[ix]  # [n,Kc,D]
@@ -224,11 +225,11 @@ def run_config(S, H, preset, chunk, seed, log):
     # [:, 1] this chunk's sum; acc32b, order B: each chunk summed first, then added
     acc32 = torch.zeros(S + 1, 2, D)
     acc32b = torch.zeros(S + 1, D)
-    stored = {}  # the kernel's bf16 [dS; P] per chunk, for pass 2
+    stored = torch.empty(S, 2 * H, pb.kc, dtype=torch.bfloat16)  # the kernel's [dS; P], for pass 2
     nsel = torch.zeros(S + 1, dtype=torch.long)
     max_delta = 0.0
     for q0, q1 in chunks:
-        keys, ck, c64, terms, delta, stored[q0] = pb.chunk(q0, q1)
+        keys, ck, c64, terms, delta, stored[q0:q1] = pb.chunk(q0, q1)
         ckd = ck.double()
         acc.index_add_(0, keys, torch.stack([c64, ckd, ckd.abs()], 1))
         del c64, ckd
@@ -297,12 +298,12 @@ def run_config(S, H, preset, chunk, seed, log):
     # design 2 with a, b, bS, bC: the fp32 sums of rint(x), [:, 0] order A, [:, 1] the chunk's
     accv = torch.zeros(S + 1, 2, len(ver), D)
     accvb = torch.zeros(S + 1, len(ver), D)  # order B
-    mmax = chunk * int(pb.count.max())
+    mmax = chunk * pb.kc
     xbuf = torch.empty(mmax, nsch, D)
     rbuf = torch.empty(mmax, nsch, D)
     for q0, q1 in chunks:
         keys = pb.keys(q0, q1)
-        ck = pb.contrib(q0, q1, stored.pop(q0))
+        ck = pb.contrib(q0, q1, stored[q0:q1])
         m = keys.numel()
         x, r = xbuf[:m], rbuf[:m]
         torch.mul(ck[:, None, :], SC[keys][:, :, None], out=x)  # exact: a power-of-two scale
@@ -314,7 +315,7 @@ def run_config(S, H, preset, chunk, seed, log):
         res.index_add_(0, keys, r)
         del ck, x, r
     t2 = time.time()
-    del xbuf, rbuf
+    del xbuf, rbuf, stored
     res, accv, accvb = res[:S], accv[:S, 0], accvb[:S]
 
     # ---- results
