@@ -115,7 +115,8 @@ def test_kernel_receives_its_layout_and_grads_reach_inputs(recorder, monkeypatch
 @pytest.mark.parametrize("heads", [8, 16, 32, 64])
 def test_auto_route_takes_native_kernels_at_every_head_count(recorder, heads):
     """No MCORE_DSA_TILELANG_NOPE: the native kernels, measured faster than #7617's padding on an
-    H200 at 16 kernel heads (8 heads on 16-row tiles) and up once 0050 schedules the 16-head backward."""
+    H200 at 16 kernel heads (8 heads on 16-row tiles) and up once 0050 schedules the 16-head
+    backward."""
     query, key, idx = make_inputs(512, 2051, heads)
     assert dsa_kernels.run_fused_absorbed_sparse_attention(
         tilelang_config(heads), query, key, idx, 0.04, 512) is not None

@@ -16,6 +16,13 @@ from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
 SCALE = 512 ** -0.5  # the default scale of every case (0108 also runs others)
+
+
+def phase_off():
+    """NativeKernelOptions fields that turn 0121's timer phase off (where it is in the tree): with
+    it dq sums its key blocks in a timer-given order at 32/64 heads, so two calls are not bitwise
+    equal."""
+    return {"bwd_block_phase_ns": 0} if has("0121") else {}
 DEV = "cuda"
 
 
@@ -293,16 +300,14 @@ def test_native_saved_output_matches_recompute(monkeypatch, heads):
     (NativeKernelOptions(save_output=False)): the same forward kernel, so the same output bit for bit,
     and the same backward kernel on the same out/lse (dkv's atomics may add in another order).
     Rows with no valid index stay exactly zero without SparseMLA's head masks. 8 heads (0107,
-    0123): the caller's heads kept (in the kernels' 16-row tiles since 0123): dq bit for bit too. Both
-    calls run without 0121's timer phase: with it dq sums its key blocks in a timer-given order
-    at 32/64 heads, so two calls differ in the last bits whatever out/lse they take."""
+    0123): the caller's heads kept (in the kernels' 16-row tiles since 0123): dq bit for bit too.
+    Both calls run without 0121's timer phase (phase_off)."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     empty = (3, 254)
     q, k, do, idx = make(256, heads, 512, 2051, seed=heads, empty_rows=empty)
-    phase_off = {"bwd_block_phase_ns": 0} if has("0121") else {}
     res = {}
     for save in (True, False):
-        with override_native_kernel_options(save_output=save, **phase_off):
+        with override_native_kernel_options(save_output=save, **phase_off()):
             res[save] = run_fused(q, k, idx, do)
     (out_s, dq_s, dk_s), (out_r, dq_r, dk_r) = res[True], res[False]
     assert torch.equal(out_s, out_r)
@@ -364,7 +369,7 @@ def test_native_out_of_range_index_counts_as_minus_one(monkeypatch, heads, sk):
     ref = torch.where((bad >= 0) & (bad < sk), bad, torch.full_like(bad, -1))
     # without 0121's timer phase (and its index sort) dq sums the same key blocks in the same
     # order: bitwise equal
-    with override_native_kernel_options(**({"bwd_block_phase_ns": 0} if has("0121") else {})):
+    with override_native_kernel_options(**phase_off()):
         got, want = run_fused(q, k, bad, do), run_fused(q, k, ref, do)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert rel_l2(got[2], want[2]) < 1e-3  # dkv: the same adds in another order
