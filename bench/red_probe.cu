@@ -1,0 +1,211 @@
+// red_probe.cu: what one dKV reduction form costs on this GPU, without the rest of the backward.
+//
+// Issue #21 (a bitwise-reproducible backward) chooses between accumulators by their cost: the
+// default kernel adds 4 floats with one `red.global.add.v4.f32`; wip/0124 adds one int64
+// fixed-point value with one `red.global.add.u64`; a packed form would add two int32 lanes with
+// one u64 (issue21-fixed-point-bounds.md, design 1). This probe issues only those reductions, in
+// the backward's pattern: one CTA of 256 threads a query, the query's 2051 k-pool keys (512 random
+// 4-token pools among the complete ones, causal, plus the 3 tail tokens), a 512-wide row added per
+// key. It prints one markdown row per form: time, the accumulator's size, reductions issued, and
+// the ratio to v4.f32. Build and run on the GPU host:
+//
+//   nvcc -O3 -arch=sm_90a -o /tmp/red_probe bench/red_probe.cu && /tmp/red_probe [seq_len] [reps]
+#include <cstdio>
+#include <cstdint>
+#include <cstdlib>
+#include <cuda_runtime.h>
+
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                            \
+    }                                                                                     \
+  } while (0)
+
+constexpr int D = 512, TOPK = 2048, POOL = 4, WIDTH = TOPK + POOL - 1, THREADS = 256;
+
+__device__ __forceinline__ uint32_t mix(uint32_t x) {
+  x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
+  return x;
+}
+
+// key j of query q, or -1: GLM's k-pool shape (bench.py's kpool_indices draws its pools without
+// repeats; a hash may repeat one, which changes nothing about the cost of an add)
+__device__ __forceinline__ int key_of(int q, int j, int mask) {
+  int complete = (q + 1) / POOL;
+  if (j < TOPK) {
+    if (complete == 0 || j / POOL >= complete) return -1;
+    int pool = mix(q * 977u + j / POOL * 131u + 7u) % complete;
+    return (pool * POOL + j % POOL) & mask;
+  }
+  int pos = complete * POOL + (j - TOPK);
+  return pos <= q ? (pos & mask) : -1;
+}
+
+enum Form { V4F32, V2F32, F32, U64_PACKED, U64_ONE, ST_V4 };
+const char *names[] = {"red.global.add.v4.f32 (default: 4 floats an op)",
+                       "red.global.add.v2.f32 (2 floats an op)",
+                       "red.global.add.f32 (1 float an op)",
+                       "red.global.add.u64, two int32 lanes (design 1: 2 values an op)",
+                       "red.global.add.u64, one int64 value (wip/0124: 1 value an op)",
+                       "st.global.v4.b32 (plain stores, no reduction: bytes only)"};
+const int values_per_op[] = {4, 2, 1, 2, 1, 4};
+const int bytes_per_value[] = {4, 4, 4, 4, 8, 4};
+
+template <int F>
+__global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
+  const int q = blockIdx.x, t = threadIdx.x;
+  // per row: D / values_per_op ops; 256 threads take them in turn over the query's keys
+  constexpr int vpo = F == V4F32 || F == ST_V4 ? 4 : (F == F32 || F == U64_ONE ? 1 : 2);
+  constexpr int ops_row = D / vpo;
+  constexpr int rows_at_once = THREADS >= ops_row ? THREADS / ops_row : 1;
+  constexpr int ops_thread = ops_row > THREADS ? ops_row / THREADS : 1;
+  const int sub = t / (THREADS / rows_at_once) % rows_at_once;
+  const int lane = t % (THREADS / rows_at_once);
+  for (int j0 = 0; j0 < WIDTH; j0 += rows_at_once) {
+    int j = j0 + sub;
+    if (j >= WIDTH) break;
+    int k = key_of(q, j, mask);
+    if (k < 0) continue;
+#pragma unroll
+    for (int o = 0; o < ops_thread; ++o) {
+      int op = lane + o * (THREADS / rows_at_once);
+      float v = 1.0f + (t & 7) * 0.125f;
+      if constexpr (F == V4F32) {
+        float *p = (float *)acc + (size_t)k * D + op * 4;
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v), "f"(v),
+                     "f"(v), "f"(v) : "memory");
+      } else if constexpr (F == V2F32) {
+        float *p = (float *)acc + (size_t)k * D + op * 2;
+        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v), "f"(v) : "memory");
+      } else if constexpr (F == F32) {
+        float *p = (float *)acc + (size_t)k * D + op;
+        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+      } else if constexpr (F == U64_PACKED) {
+        uint64_t *p = (uint64_t *)acc + (size_t)k * (D / 2) + op;
+        int32_t lo = 3 + t, hi = -5 - t;  // lo sign-extended: (hi << 32) + lo
+        uint64_t x = ((uint64_t)(int64_t)hi << 32) + (uint64_t)(int64_t)lo;
+        asm volatile("red.global.add.u64 [%0], %1;" ::"l"(p), "l"(x) : "memory");
+      } else if constexpr (F == U64_ONE) {
+        uint64_t *p = (uint64_t *)acc + (size_t)k * D + op;
+        asm volatile("red.global.add.u64 [%0], %1;" ::"l"(p), "l"((uint64_t)(3 + t)) : "memory");
+      } else {
+        float *p = (float *)acc + (size_t)k * D + op * 4;
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(__float_as_uint(v)),
+                     "r"(__float_as_uint(v)), "r"(__float_as_uint(v)), "r"(__float_as_uint(v))
+                     : "memory");
+      }
+    }
+  }
+}
+
+// the packed form's postprocess, checked once: a lane's final sum is recovered from the u64 total
+__global__ void unpack_check(const uint64_t *acc, const int64_t *expect_lo, const int64_t *expect_hi,
+                             int n, int *bad) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  uint64_t tot = acc[i];
+  int64_t lo = (int64_t)(int32_t)(uint32_t)tot;
+  int64_t hi = (int64_t)(tot - (uint64_t)lo) >> 32;
+  if (lo != expect_lo[i] || hi != expect_hi[i]) atomicAdd(bad, 1);
+}
+
+template <int F>
+float run(void *acc, size_t bytes, int seq, int mask, int reps) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  float best = 1e30f;
+  for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up
+    CHECK(cudaMemsetAsync(acc, 0, bytes));
+    CHECK(cudaEventRecord(a));
+    probe<F><<<seq, THREADS>>>(acc, seq, mask);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    CHECK(cudaGetLastError());
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (r > 0 && ms < best) best = ms;
+  }
+  return best;
+}
+
+int main(int argc, char **argv) {
+  int seq = argc > 1 ? atoi(argv[1]) : 32768;
+  int reps = argc > 2 ? atoi(argv[2]) : 5;
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("# red_probe: %s, L2 %d MiB, %d tokens, top-k %d, %d-wide rows, best of %d\n\n", prop.name,
+         prop.l2CacheSize >> 20, seq, WIDTH, D, reps);
+  void *acc;
+  size_t max_bytes = (size_t)seq * D * 8;
+  CHECK(cudaMalloc(&acc, max_bytes));
+  printf("| form | keys | accumulator MiB | ms | ratio to v4.f32 | reductions (G) | GB added |\n");
+  printf("|---|---|---|---|---|---|---|\n");
+  // all keys (the accumulator as large as the backward's), then keys folded into 4096 rows
+  // (an L2-resident accumulator: the reduction units without HBM)
+  for (int fold = 0; fold < 2; ++fold) {
+    int keys = fold ? 4096 : seq;
+    int mask = fold ? 4095 : 0x7fffffff;
+    float base = 0;
+    for (int f = 0; f < 6; ++f) {
+      size_t bytes = (size_t)keys * D * bytes_per_value[f];
+      float ms = 0;
+      switch (f) {
+        case V4F32: ms = run<V4F32>(acc, bytes, seq, mask, reps); break;
+        case V2F32: ms = run<V2F32>(acc, bytes, seq, mask, reps); break;
+        case F32: ms = run<F32>(acc, bytes, seq, mask, reps); break;
+        case U64_PACKED: ms = run<U64_PACKED>(acc, bytes, seq, mask, reps); break;
+        case U64_ONE: ms = run<U64_ONE>(acc, bytes, seq, mask, reps); break;
+        case ST_V4: ms = run<ST_V4>(acc, bytes, seq, mask, reps); break;
+      }
+      if (f == 0) base = ms;
+      // valid (query, key) pairs, counted on the host the way key_of draws them
+      double pairs = 0;
+      for (int q = 0; q < seq; ++q) {
+        int complete = (q + 1) / POOL;
+        pairs += (complete < TOPK / POOL ? complete : TOPK / POOL) * POOL;
+        int tail = q + 1 - complete * POOL;
+        pairs += tail < POOL - 1 ? tail : POOL - 1;
+      }
+      double ops = pairs * D / values_per_op[f];
+      printf("| %s | %d | %.0f | %.2f | %.3f | %.2f | %.1f |\n", names[f], keys, bytes / 1048576.0,
+             ms, ms / base, ops / 1e9, pairs * D * bytes_per_value[f] / 1e9);
+      fflush(stdout);
+    }
+  }
+  // the packed form's arithmetic: lanes that wrap in between but end in range come back exact
+  {
+    const int n = 4096;
+    uint64_t *a2;
+    int64_t *elo, *ehi;
+    int *bad;
+    CHECK(cudaMalloc(&a2, n * 8));
+    CHECK(cudaMalloc(&elo, n * 8));
+    CHECK(cudaMalloc(&ehi, n * 8));
+    CHECK(cudaMallocManaged(&bad, 4));
+    int64_t *hlo = (int64_t *)malloc(n * 8), *hhi = (int64_t *)malloc(n * 8);
+    uint64_t *hacc = (uint64_t *)calloc(n, 8);
+    srand(1);
+    for (int i = 0; i < n; ++i) {
+      hlo[i] = hhi[i] = 0;
+      for (int k = 0; k < 64; ++k) {  // 64 terms of up to 2^26 each: partial sums stay in range
+        int32_t lo = (rand() % (1 << 27)) - (1 << 26), hi = (rand() % (1 << 27)) - (1 << 26);
+        hlo[i] += lo;
+        hhi[i] += hi;
+        hacc[i] += ((uint64_t)(int64_t)hi << 32) + (uint64_t)(int64_t)lo;
+      }
+    }
+    CHECK(cudaMemcpy(a2, hacc, n * 8, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(elo, hlo, n * 8, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(ehi, hhi, n * 8, cudaMemcpyHostToDevice));
+    *bad = 0;
+    unpack_check<<<n / 256, 256>>>(a2, elo, ehi, n, bad);
+    CHECK(cudaDeviceSynchronize());
+    printf("\npacked-lane unpack check: %d of %d wrong\n", *bad, n);
+    if (*bad) return 1;
+  }
+  return 0;
+}
