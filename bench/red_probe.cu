@@ -7,7 +7,8 @@
 // the backward's pattern: one CTA of 256 threads a query, the query's 2051 k-pool keys (512 random
 // 4-token pools among the complete ones, causal, plus the 3 tail tokens), a 512-wide row added per
 // key. It prints one markdown row per form: time, the accumulator's size, reductions issued, and
-// the ratio to v4.f32. Build and run on the GPU host:
+// the ratio to v4.f32; then v4.f32 with part of the accumulator held in L2 (a persisting access
+// policy window), the most L2 residency of dKV could gain. Build and run on the GPU host:
 //
 //   nvcc -O3 -arch=sm_90a -o /tmp/red_probe bench/red_probe.cu && /tmp/red_probe [seq_len] [reps]
 #include <cstdio>
@@ -113,16 +114,16 @@ __global__ void unpack_check(const uint64_t *acc, const int64_t *expect_lo, cons
 }
 
 template <int F>
-float run(void *acc, size_t bytes, int seq, int mask, int reps) {
+float run(void *acc, size_t bytes, int seq, int mask, int reps, cudaStream_t st = 0) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   float best = 1e30f;
   for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up
-    CHECK(cudaMemsetAsync(acc, 0, bytes));
-    CHECK(cudaEventRecord(a));
-    probe<F><<<seq, THREADS>>>(acc, seq, mask);
-    CHECK(cudaEventRecord(b));
+    CHECK(cudaMemsetAsync(acc, 0, bytes, st));
+    CHECK(cudaEventRecord(a, st));
+    probe<F><<<seq, THREADS, 0, st>>>(acc, seq, mask);
+    CHECK(cudaEventRecord(b, st));
     CHECK(cudaEventSynchronize(b));
     CHECK(cudaGetLastError());
     float ms;
@@ -175,6 +176,37 @@ int main(int argc, char **argv) {
              ms, ms / base, ops / 1e9, pairs * D * bytes_per_value[f] / 1e9);
       fflush(stdout);
     }
+  }
+  // the default form with part of the accumulator kept in L2 (an access policy window on the
+  // stream, persisting hits, streaming misses): what L2 residency of dKV could gain at most
+  {
+    size_t bytes = (size_t)seq * D * 4;
+    size_t setaside = prop.persistingL2CacheMaxSize;
+    CHECK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, setaside));
+    cudaStream_t st;
+    CHECK(cudaStreamCreate(&st));
+    size_t win = bytes < (size_t)prop.accessPolicyMaxWindowSize ? bytes : prop.accessPolicyMaxWindowSize;
+    float base = run<V4F32>(acc, bytes, seq, 0x7fffffff, reps, st);
+    printf("\n| v4.f32, persisting L2 window (set-aside %zu MiB, window %zu MiB) | hit ratio | ms | ratio to none |\n",
+           setaside >> 20, win >> 20);
+    printf("|---|---|---|---|\n| none | - | %.2f | 1.000 |\n", base);
+    for (float hr : {0.25f, 0.5f, (float)setaside / win, 1.0f}) {
+      if (hr > 1.0f) hr = 1.0f;
+      cudaStreamAttrValue attr = {};
+      attr.accessPolicyWindow.base_ptr = acc;
+      attr.accessPolicyWindow.num_bytes = win;
+      attr.accessPolicyWindow.hitRatio = hr;
+      attr.accessPolicyWindow.hitProp = cudaAccessPropertyPersisting;
+      attr.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
+      CHECK(cudaStreamSetAttribute(st, cudaStreamAttributeAccessPolicyWindow, &attr));
+      float ms = run<V4F32>(acc, bytes, seq, 0x7fffffff, reps, st);
+      printf("| window | %.2f | %.2f | %.3f |\n", hr, ms, ms / base);
+      fflush(stdout);
+      attr.accessPolicyWindow.num_bytes = 0;
+      CHECK(cudaStreamSetAttribute(st, cudaStreamAttributeAccessPolicyWindow, &attr));
+      CHECK(cudaCtxResetPersistingL2Cache());
+    }
+    CHECK(cudaStreamDestroy(st));
   }
   // the packed form's arithmetic: lanes that wrap in between but end in range come back exact
   {
