@@ -179,6 +179,32 @@ def test_native_deterministic_backward_is_bitwise_repeatable(monkeypatch, heads,
                 assert torch.equal(a, b), f"{name} differs between two identical runs"
 
 
+# wip/0127 (issue #21), in runs that apply it with WIP_PATCHES: the deterministic backward with a
+# fixed-point scale for each key, from a first pass that bounds each key's dKV ("int32x2": two
+# int32 lanes a 64-bit add; "fp32": integer-valued floats with the fp32 kernel's 4-float adds).
+# Against the FP32 reference, bitwise equal over repeated calls, and dk no less accurate than the
+# default (fp32 atomics) backward's (a 2% margin: both are dominated by the bf16 P and dS).
+@pytest.mark.skipif(not _has_option("bwd_deterministic_form"),
+                    reason="wip/0127 (NativeKernelOptions.bwd_deterministic_form) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [16, 32, 64])
+@pytest.mark.parametrize("form", ["int32x2", "fp32"])
+def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
+    opts = dict(bwd_deterministic=True, bwd_deterministic_form=form)
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 13, 3, **opts)
+    q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk + 1)
+    with override_native_kernel_options(**opts):
+        first = run_fused(q, k, idx, do)
+        for _ in range(2):
+            again = run_fused(q, k, idx, do)
+            for name, a, b in zip(("out", "dq", "dk"), first, again):
+                assert torch.equal(a, b), f"{name} differs between two identical runs"
+    default = run_fused(q, k, idx, do)
+    ref = run_reference(q, k, idx, do)
+    err, err_default = rel_l2(first[2], ref[2]), rel_l2(default[2], ref[2])
+    assert err <= 1.02 * err_default, f"dk {err:.3e} against the default's {err_default:.3e}"
+
+
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row,
                                            shuffle=False, **options):
     """The native route's fwd+bwd with NativeKernelOptions `options` against the FP32 reference
