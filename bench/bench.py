@@ -22,8 +22,10 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 32-head backward blocks at 64 heads), 32k/64 heads; this row and the dkv rows
                 below also set bwd_ws64=False (0113's kernel replaces the head-block backward
                 they vary at 32 and 64 heads)
-  native_deterministic 512/2051  with wip/0109 applied: NativeKernelOptions(bwd_deterministic=True);
+  native_deterministic 512/2051  with wip/0124 applied: NativeKernelOptions(bwd_deterministic=True);
                 bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
+  native_deterministic_int32x2, native_deterministic_fp32 512/2051  with wip/0127 applied: the same
+                with bwd_deterministic_form (a fixed-point scale for each key)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
@@ -532,6 +534,13 @@ def run(args):
                 add("native_deterministic", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
                     repeat=True, ref=native_results()))
+            for form in ("int32x2", "fp32") if has_native_option("bwd_deterministic_form") else ():
+                # wip/0127 (issue #21): the same with a fixed-point scale for each key
+                if wanted(f"native_deterministic_{form}"):
+                    add(f"native_deterministic_{form}", 512, 2051, fwd_bwd(
+                        hook_fn(heads, "native"), q512, k512, idx, repeat=True,
+                        options=dict(bwd_deterministic=True, bwd_deterministic_form=form),
+                        ref=native_results()))
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,

@@ -63,3 +63,135 @@ def test_key_bound_scale_keeps_the_bound_sum_in_int64():
         q, kv, do.float().masked_fill(do.float() > 0, float("inf")).bfloat16(), delta, 1.0
     )
     assert torch.isnan(nan).all()
+
+
+def _kernel_terms(q, kv, do, indices, lse, delta, scale):
+    """What the ws64 kernel works with, in PyTorch: P and dS rounded to bf16 as it rounds them
+    (p_cast, ds_cast) and each (query, selected key) pair's dKV term summed over the heads,
+    c = dS^T q + P^T dO, in fp32. Returns P, dS [b, s, h, K], c [b, s, K, W], the gathered rows'
+    keys [b, s, K] and their validity."""
+    from test_native_routing import LOG2E
+
+    qf, kf, dof = q.float(), kv[:, :, 0].float(), do.float()
+    b, sk, w = kf.shape
+    idx = indices[:, :, 0].long()
+    valid = (idx >= 0) & (idx < sk)
+    keys = idx.clamp(0, sk - 1)
+    kg = kf[torch.arange(b).view(b, 1, 1), keys]  # [b, s, K, W]
+    p = torch.exp2(torch.einsum("bshw,bskw->bshk", qf, kg) * scale * LOG2E - lse.unsqueeze(-1))
+    p = p * valid.unsqueeze(2)
+    dp = torch.einsum("bshd,bskd->bshk", dof, kg)
+    ds = (p * (dp - delta.float().unsqueeze(-1)) * scale).bfloat16().float()
+    p = p.bfloat16().float()
+    c = torch.einsum("bshk,bshw->bskw", ds.double(), qf.double())
+    c += torch.einsum("bshk,bshw->bskw", p.double(), dof.double())
+    return p, ds, c.float(), keys, valid
+
+
+class KeyFixedFakes:
+    """The per-key fixed-point kernels' contract in PyTorch (wip/0127): the first pass's bounds,
+    the second pass's rounded terms (as int32 lanes or integer-valued floats) and the
+    postprocess. It also checks the invariant the design rests on: every key's sum of |terms|,
+    in every column, is within its bound."""
+
+    def __init__(self):
+        self.bound_units = None
+        self.checked = 0
+
+    def get_bound(self, H, D, topk, evict_first_loads=False):
+        def kernel(q, kv, do, indices, lse, delta, row_max, key_bound, scale, bound_scale):
+            assert row_max.shape == (*q.shape[:3], 2) and key_bound.dtype == torch.int64
+            assert torch.equal(row_max[..., 0], q.float().abs().amax(-1))
+            assert torch.equal(row_max[..., 1], do.float().abs().amax(-1))
+            p, ds, _, keys, valid = _kernel_terms(q, kv, do, indices, lse, delta, scale)
+            t = torch.einsum("bshk,bsh->bsk", ds.abs().double(), row_max[..., 0].double())
+            t += torch.einsum("bshk,bsh->bsk", p.double(), row_max[..., 1].double())
+            count = torch.ceil((t * bound_scale.double() * (1 + 2**-10)).float().double())
+            for bi in range(key_bound.size(0)):
+                key_bound[bi].index_add_(0, keys[bi][valid[bi]], count[bi][valid[bi]].long())
+            self.bound_units = key_bound.clone(), bound_scale.clone()
+
+        return kernel
+
+    def get_ws64(self, H, D, topk, dkv_key_fixed=None, **levers):
+        assert dkv_key_fixed in ("int32x2", "fp32"), dkv_key_fixed
+        assert levers.get("block_phase_ns", 0) == 0
+
+        def kernel(q, kv, do, indices, lse, delta, dkv, scale, key_scale):
+            from test_native_routing import _bwd_from_lse_delta, _to_lines
+
+            _, _, c, keys, valid = _kernel_terms(q, kv, do, indices, lse, delta, scale)
+            key_bound, units = self.bound_units
+            for bi in range(c.size(0)):
+                k, terms = keys[bi][valid[bi]], c[bi][valid[bi]]
+                total = torch.zeros(kv.size(1), D, dtype=torch.float64)
+                total.index_add_(0, k, terms.abs().double())
+                limit = key_bound[bi].double() / units.double()
+                assert (total <= limit.unsqueeze(-1)).all(), "a key's terms exceed its bound"
+                self.checked += int((total > 0).any(-1).sum())
+                x = torch.round(terms * key_scale[bi][k].unsqueeze(-1))  # rint: half to even
+                if dkv_key_fixed == "int32x2":
+                    lanes = x.long()
+                    packed = (lanes[:, 1::2] << 32) + lanes[:, 0::2]
+                    dkv[bi, :, 0].index_add_(0, k, packed)
+                else:
+                    dkv[bi, :, 0].index_add_(0, k, _to_lines(x))
+            dq, _ = _bwd_from_lse_delta(q, kv, do, indices, lse, delta, scale)
+            return dq.to(q.dtype)
+
+        return kernel
+
+    def get_post(self, D, form):
+        def kernel(dkv, key_inv):
+            from test_native_routing import _from_lines
+
+            if form == "int32x2":
+                lo = dkv & 0xFFFFFFFF
+                lo = torch.where(lo >= 2**31, lo - 2**32, lo)
+                hi = (dkv - lo) >> 32
+                assert hi.abs().max() < 2**31, "a lane's sum does not fit int32"
+                sums = torch.stack([lo, hi], dim=-1).flatten(-2).double()
+            else:
+                assert dkv.abs().max() < 2**24, "a sum of integer-valued floats is not exact"
+                sums = _from_lines(dkv).double()
+            return (sums * key_inv.double()[..., None, None]).to(torch.bfloat16)
+
+        return kernel
+
+
+@pytest.mark.parametrize("form", sorted(HEADROOM))
+@pytest.mark.parametrize("heads", [16, 64])
+def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads):
+    """sparse_mla_bwd's deterministic route with bwd_deterministic_form, its kernels replaced by
+    their contract in PyTorch: the two passes' arguments, the scales between them, the bound
+    holding for every key, and dk within bf16 rounding of the exact gradient (outlier rows
+    included: q x10 on one head, dO x10 on a few queries)."""
+    from sparse_ref import causal_random_indices
+    from test_native_routing import _attend, _bwd_from_lse_delta, _lse_log2, options
+
+    f = KeyFixedFakes()
+    monkeypatch.setattr(bwd_mod, "_get_bwd_key_bound_kernel", f.get_bound)
+    monkeypatch.setattr(bwd_mod, "_get_bwd_ws64_kernel", f.get_ws64)
+    monkeypatch.setattr(bwd_mod, "_get_postprocess_key_fixed_kernel", f.get_post)
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    g = torch.Generator().manual_seed(heads)
+    s, w, topk = 256, 512, 65
+    q = torch.randn(1, s, heads, w, generator=g)
+    q[:, :, 1] *= 10
+    q = q.bfloat16()
+    kv = torch.randn(1, s, 1, w, generator=g).bfloat16()
+    do = torch.randn(1, s, heads, w, generator=g)
+    do[:, ::37] *= 10
+    do = do.bfloat16()
+    idx = causal_random_indices(s, s, topk, g).view(1, s, 1, topk)
+    scale = w**-0.5
+    lse = _lse_log2(q, kv, idx, scale)
+    delta = (_attend(q, kv, idx, scale).bfloat16().float() * do.float()).sum(-1)
+    with options(bwd_deterministic=True, bwd_deterministic_form=form):
+        dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
+    assert f.checked > s // 2
+    exact_dq, exact_dk = _bwd_from_lse_delta(q, kv, do, idx, lse, delta, scale)
+    assert dk.shape == kv.shape and dk.dtype == torch.bfloat16
+    err = ((dk.float() - exact_dk).norm() / exact_dk.norm()).item()
+    assert err < 4e-3, f"dk relative L2 {err:.2e}"  # bf16 rounding of P, dS and dk
+    assert torch.equal(dq, exact_dq.to(dq.dtype))
