@@ -28,11 +28,24 @@ PADDED = [(576, 64), (576, 128), (576, 2112), (576, 2048)]
 NATIVE = [(512, 64), (512, 65), (512, 127), (512, 2051)]
 
 
+# the route the worker process started with (spawned workers import this module afresh)
+_STARTED_ROUTE = os.environ.get("MCORE_DSA_TILELANG_NOPE")
+
+
+def set_route(route):
+    """MCORE_DSA_TILELANG_NOPE for one job: its route, else the one the process started with
+    (a pool process runs several jobs: not the previous job's)."""
+    route = route or _STARTED_ROUTE
+    if route:
+        os.environ["MCORE_DSA_TILELANG_NOPE"] = route
+    else:
+        os.environ.pop("MCORE_DSA_TILELANG_NOPE", None)
+
+
 def work(args):
     heads, width, topk, route, options, cache = args
     os.environ["TILELANG_CACHE_DIR"] = cache
-    if route:
-        os.environ["MCORE_DSA_TILELANG_NOPE"] = route
+    set_route(route)
     import torch
 
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa

@@ -3,6 +3,7 @@ on PyPI's sgl-flash-mla (bench/cudnn_peer.py), and the table of rows with their 
 ours/peer ratios (bench/bench.py). The timed rows themselves need a GPU (make bench)."""
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -209,3 +210,17 @@ def test_ab_rows_parse_name_and_options():
     for bad in ("no_colon", "name:", ":bwd_hoist_indices=False", "name:bwd_hoist_indices"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.parse_ab(bad)
+
+
+def test_precompile_job_routes_do_not_leak_into_the_next_job(monkeypatch):
+    """A pool process runs several precompile jobs: a job without a route gets the route the
+    process started with, not the one the job before it set."""
+    import precompile
+
+    monkeypatch.delenv("MCORE_DSA_TILELANG_NOPE", raising=False)  # restored after the test
+    for started in (None, "padded"):
+        monkeypatch.setattr(precompile, "_STARTED_ROUTE", started)
+        precompile.set_route("native")
+        assert os.environ["MCORE_DSA_TILELANG_NOPE"] == "native"
+        precompile.set_route(None)
+        assert os.environ.get("MCORE_DSA_TILELANG_NOPE") == started
