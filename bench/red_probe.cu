@@ -45,19 +45,46 @@ __device__ __forceinline__ int key_of(int q, int j, int mask) {
   return pos <= q ? (pos & mask) : -1;
 }
 
-enum Form { V4F32, V2F32, F32, U64_PACKED, U64_ONE, ST_V4 };
+enum Form { V4F32, V2F32, F32, U64_PACKED, U64_ONE, ST_V4, V4_TILE };
 const char *names[] = {"red.global.add.v4.f32 (default: 4 floats an op)",
                        "red.global.add.v2.f32 (2 floats an op)",
                        "red.global.add.f32 (1 float an op)",
                        "red.global.add.u64, two int32 lanes (design 1: 2 values an op)",
                        "red.global.add.u64, one int64 value (wip/0124: 1 value an op)",
-                       "st.global.v4.b32 (plain stores, no reduction: bytes only)"};
-const int values_per_op[] = {4, 2, 1, 2, 1, 4};
-const int bytes_per_value[] = {4, 4, 4, 4, 8, 4};
+                       "st.global.v4.b32 (plain stores, no reduction: bytes only)",
+                       "red.global.add.v4.f32 in the kernel's pattern (a warp: 8 rows x 64 B)"};
+const int values_per_op[] = {4, 2, 1, 2, 1, 4, 4};
+const int bytes_per_value[] = {4, 4, 4, 4, 8, 4, 4};
 
 template <int F>
 __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
   const int q = blockIdx.x, t = threadIdx.x;
+  if constexpr (F == V4_TILE) {
+    // as sparse_mla_bwd_ws64 adds a 64-key block's dKV chunk of 64 columns from a wgmma
+    // accumulator in line order: warp w of a warpgroup holds rows 16 w + lane / 4 and + 8, a
+    // lane 4 adjacent floats of each 16 columns; the two warpgroups take alternate chunks
+    const int wg = t / 128, w = t % 128 / 32, lane = t % 32;
+    for (int b0 = 0; b0 < WIDTH; b0 += 64) {
+#pragma unroll 1
+      for (int c = wg; c < D / 64; c += 2) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          int k = b0 + 16 * w + lane / 4 + 8 * half < WIDTH
+                      ? key_of(q, b0 + 16 * w + lane / 4 + 8 * half, mask)
+                      : -1;
+          if (k < 0) continue;
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+            float v = 1.0f + (t & 7) * 0.125f;
+            float *p = (float *)acc + (size_t)k * D + c * 64 + g * 16 + lane % 4 * 4;
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v),
+                         "f"(v), "f"(v), "f"(v) : "memory");
+          }
+        }
+      }
+    }
+    return;
+  }
   // per row: D / values_per_op ops; 256 threads take them in turn over the query's keys
   constexpr int vpo = F == V4F32 || F == ST_V4 ? 4 : (F == F32 || F == U64_ONE ? 1 : 2);
   constexpr int ops_row = D / vpo;
@@ -151,7 +178,7 @@ int main(int argc, char **argv) {
     int keys = fold ? 4096 : seq;
     int mask = fold ? 4095 : 0x7fffffff;
     float base = 0;
-    for (int f = 0; f < 6; ++f) {
+    for (int f = 0; f < 7; ++f) {
       size_t bytes = (size_t)keys * D * bytes_per_value[f];
       float ms = 0;
       switch (f) {
@@ -161,6 +188,7 @@ int main(int argc, char **argv) {
         case U64_PACKED: ms = run<U64_PACKED>(acc, bytes, seq, mask, reps); break;
         case U64_ONE: ms = run<U64_ONE>(acc, bytes, seq, mask, reps); break;
         case ST_V4: ms = run<ST_V4>(acc, bytes, seq, mask, reps); break;
+        case V4_TILE: ms = run<V4_TILE>(acc, bytes, seq, mask, reps); break;
       }
       if (f == 0) base = ms;
       // valid (query, key) pairs, counted on the host the way key_of draws them
