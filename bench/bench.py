@@ -24,8 +24,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 they vary at 32 and 64 heads)
   native_deterministic 512/2051  with wip/0124 applied: NativeKernelOptions(bwd_deterministic=True);
                 bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
-  native_deterministic_int32x2, native_deterministic_fp32 512/2051  with wip/0127 applied: the same
-                with bwd_deterministic_form (a fixed-point scale for each key)
+  native_deterministic_int32x2, native_deterministic_fp32, native_deterministic_fp32g4 512/2051
+                with wip/0127 applied: the same with bwd_deterministic_form (a fixed-point scale
+                for each key; g4: bwd_deterministic_key_groups=4)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
@@ -534,12 +535,15 @@ def run(args):
                 add("native_deterministic", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
                     repeat=True, ref=native_results()))
-            for form in ("int32x2", "fp32") if has_native_option("bwd_deterministic_form") else ():
+            key_forms = {"int32x2": ("int32x2", 1), "fp32": ("fp32", 1), "fp32g4": ("fp32", 4)}
+            for name, (form, groups) in (
+                    key_forms.items() if has_native_option("bwd_deterministic_form") else ()):
                 # wip/0127 (issue #21): the same with a fixed-point scale for each key
-                if wanted(f"native_deterministic_{form}"):
-                    add(f"native_deterministic_{form}", 512, 2051, fwd_bwd(
+                if wanted(f"native_deterministic_{name}"):
+                    add(f"native_deterministic_{name}", 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, repeat=True,
-                        options=dict(bwd_deterministic=True, bwd_deterministic_form=form),
+                        options=dict(bwd_deterministic=True, bwd_deterministic_form=form,
+                                     bwd_deterministic_key_groups=groups),
                         ref=native_results()))
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(

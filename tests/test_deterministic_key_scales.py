@@ -98,9 +98,10 @@ class KeyFixedFakes:
         self.bound_units = None
         self.checked = 0
 
-    def get_bound(self, H, D, topk, evict_first_loads=False):
+    def get_bound(self, H, D, topk, evict_first_loads=False, key_groups=1):
         def kernel(q, kv, do, indices, lse, delta, row_max, key_bound, scale, bound_scale):
             assert row_max.shape == (*q.shape[:3], 2) and key_bound.dtype == torch.int64
+            assert key_bound.shape == (kv.size(0), kv.size(1), key_groups)
             assert torch.equal(row_max[..., 0], q.float().abs().amax(-1))
             assert torch.equal(row_max[..., 1], do.float().abs().amax(-1))
             p, ds, _, keys, valid = _kernel_terms(q, kv, do, indices, lse, delta, scale)
@@ -108,41 +109,50 @@ class KeyFixedFakes:
             t += torch.einsum("bshk,bsh->bsk", p.double(), row_max[..., 1].double())
             count = torch.ceil((t * bound_scale.double() * (1 + 2**-10)).float().double())
             for bi in range(key_bound.size(0)):
-                key_bound[bi].index_add_(0, keys[bi][valid[bi]], count[bi][valid[bi]].long())
+                for g in range(key_groups):  # query s adds into accumulator s mod key_groups
+                    v = valid[bi].clone()
+                    v[torch.arange(v.size(0)) % key_groups != g] = False
+                    key_bound[bi, :, g].index_add_(0, keys[bi][v], count[bi][v].long())
             self.bound_units = key_bound.clone(), bound_scale.clone()
 
         return kernel
 
-    def get_ws64(self, H, D, topk, dkv_key_fixed=None, **levers):
+    def get_ws64(self, H, D, topk, dkv_key_fixed=None, dkv_key_groups=1, **levers):
         assert dkv_key_fixed in ("int32x2", "fp32"), dkv_key_fixed
+        assert dkv_key_fixed == "fp32" or dkv_key_groups == 1
         assert levers.get("block_phase_ns", 0) == 0
+        groups = dkv_key_groups
 
         def kernel(q, kv, do, indices, lse, delta, dkv, scale, key_scale):
             from test_native_routing import _bwd_from_lse_delta, _to_lines
 
             _, _, c, keys, valid = _kernel_terms(q, kv, do, indices, lse, delta, scale)
             key_bound, units = self.bound_units
-            for bi in range(c.size(0)):
-                k, terms = keys[bi][valid[bi]], c[bi][valid[bi]]
+            assert key_scale.shape == (kv.size(0), kv.size(1), groups)
+            for bi, g in ((bi, g) for bi in range(c.size(0)) for g in range(groups)):
+                v = valid[bi].clone()
+                v[torch.arange(v.size(0)) % groups != g] = False
+                k, terms = keys[bi][v], c[bi][v]
                 total = torch.zeros(kv.size(1), D, dtype=torch.float64)
                 total.index_add_(0, k, terms.abs().double())
-                limit = key_bound[bi].double() / units.double()
+                limit = key_bound[bi, :, g].double() / units.double()
                 assert (total <= limit.unsqueeze(-1)).all(), "a key's terms exceed its bound"
                 self.checked += int((total > 0).any(-1).sum())
-                x = torch.round(terms * key_scale[bi][k].unsqueeze(-1))  # rint: half to even
+                x = torch.round(terms * key_scale[bi, k, g].unsqueeze(-1))  # rint: half to even
                 if dkv_key_fixed == "int32x2":
                     lanes = x.long()
                     packed = (lanes[:, 1::2] << 32) + lanes[:, 0::2]
                     dkv[bi, :, 0].index_add_(0, k, packed)
                 else:
-                    dkv[bi, :, 0].index_add_(0, k, _to_lines(x))
+                    dkv[bi, :, g].index_add_(0, k, _to_lines(x))
             dq, _ = _bwd_from_lse_delta(q, kv, do, indices, lse, delta, scale)
             return dq.to(q.dtype)
 
         return kernel
 
-    def get_post(self, D, form):
+    def get_post(self, D, form, groups=1):
         def kernel(dkv, key_inv):
+            assert key_inv.shape == (*dkv.shape[:2], groups)
             from test_native_routing import _from_lines
 
             if form == "int32x2":
@@ -154,12 +164,13 @@ class KeyFixedFakes:
             else:
                 assert dkv.abs().max() < 2**24, "a sum of integer-valued floats is not exact"
                 sums = _from_lines(dkv).double()
-            return (sums * key_inv.double()[..., None, None]).to(torch.bfloat16)
+            out = (sums * key_inv.double()[..., None]).sum(2, keepdim=True)
+            return out.to(torch.bfloat16)
 
         return kernel
 
 
-@pytest.mark.parametrize("form", sorted(HEADROOM))
+@pytest.mark.parametrize("form", ["int32x2", "fp32", "fp32/4"])
 @pytest.mark.parametrize("heads", [16, 64])
 def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads):
     """sparse_mla_bwd's deterministic route with bwd_deterministic_form, its kernels replaced by
@@ -187,7 +198,12 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads):
     scale = w**-0.5
     lse = _lse_log2(q, kv, idx, scale)
     delta = (_attend(q, kv, idx, scale).bfloat16().float() * do.float()).sum(-1)
-    with options(bwd_deterministic=True, bwd_deterministic_form=form):
+    form, _, groups = form.partition("/")
+    with options(
+        bwd_deterministic=True,
+        bwd_deterministic_form=form,
+        bwd_deterministic_key_groups=int(groups or 1),
+    ):
         dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
     assert f.checked > s // 2
     exact_dq, exact_dk = _bwd_from_lse_delta(q, kv, do, idx, lse, delta, scale)
@@ -195,3 +211,39 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads):
     err = ((dk.float() - exact_dk).norm() / exact_dk.norm()).item()
     assert err < 4e-3, f"dk relative L2 {err:.2e}"  # bf16 rounding of P, dS and dk
     assert torch.equal(dq, exact_dq.to(dq.dtype))
+
+
+def test_first_pass_keeps_p_and_ds_apart_from_the_kv_buffer():
+    """The first pass (no dQ GEMM after WG0's P/dS stores) must not let TileLang's shared-memory
+    merge put P and dS in the KV buffer: WG0 gathers the next block there while WG1 still reads
+    them (a review found that race in the draft's first build). Built for sm_90a on CPU."""
+    import os
+    import re
+
+    from native_kernels import SM90A_TARGET, _nvcc
+
+    tilelang = pytest.importorskip("tilelang")
+
+    if _nvcc() is None:
+        pytest.skip("nvcc not found (PATH, CUDA_HOME/bin)")
+    old = os.environ.get("TILELANG_DEFAULT_TARGET")
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90A_TARGET
+    tilelang.disable_cache()
+    try:
+        kernel = bwd_mod.sparse_mla_bwd_ws64_key_bound.compile(64, 512, 2112)
+    finally:
+        tilelang.enable_cache()
+        if old is None:
+            os.environ.pop("TILELANG_DEFAULT_TARGET")
+        else:
+            os.environ["TILELANG_DEFAULT_TARGET"] = old
+    src = kernel.get_kernel_source()
+    offsets = dict(
+        re.findall(r"void\* (\w+_shared) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src)
+    )
+    sizes = {"KV_shared": 64 * 512 * 2, "P_shared": 64 * 64 * 2, "dS_shared": 64 * 64 * 2}
+    assert set(sizes) <= set(offsets), offsets
+    spans = sorted((int(offsets[n]), int(offsets[n]) + size, n) for n, size in sizes.items())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        assert end <= start, f"{a} and {b} share shared memory: {offsets}"
+    assert "glm_bound_count" in src

@@ -181,16 +181,19 @@ def test_native_deterministic_backward_is_bitwise_repeatable(monkeypatch, heads,
 
 # wip/0127 (issue #21), in runs that apply it with WIP_PATCHES: the deterministic backward with a
 # fixed-point scale for each key, from a first pass that bounds each key's dKV ("int32x2": two
-# int32 lanes a 64-bit add; "fp32": integer-valued floats with the fp32 kernel's 4-float adds).
+# int32 lanes a 64-bit add; "fp32": integer-valued floats with the fp32 kernel's 4-float adds,
+# "/4" in four accumulators).
 # Against the FP32 reference, bitwise equal over repeated calls, and dk no less accurate than the
 # default (fp32 atomics) backward's (a 2% margin: both are dominated by the bf16 P and dS).
 @pytest.mark.skipif(not _has_option("bwd_deterministic_form"),
                     reason="wip/0127 (NativeKernelOptions.bwd_deterministic_form) is not applied")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [16, 32, 64])
-@pytest.mark.parametrize("form", ["int32x2", "fp32"])
+@pytest.mark.parametrize("form", ["int32x2", "fp32", "fp32/4"])
 def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
-    opts = dict(bwd_deterministic=True, bwd_deterministic_form=form)
+    form, _, groups = form.partition("/")
+    opts = dict(bwd_deterministic=True, bwd_deterministic_form=form,
+                bwd_deterministic_key_groups=int(groups or 1))
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 13, 3, **opts)
     q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk + 1)
     with override_native_kernel_options(**opts):
