@@ -208,6 +208,20 @@ def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
     assert err <= 1.02 * err_default, f"dk {err:.3e} against the default's {err_default:.3e}"
 
 
+# wip/0128 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward freeing P and
+# dS after its last dKV GEMM of a block, before that chunk's adds (one and two dKV stages)
+@pytest.mark.skipif(not _has_option("bwd_early_ps_release"),
+                    reason="wip/0128 (NativeKernelOptions.bwd_early_ps_release) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("two_stages", [False, True])
+def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, heads, topk,
+                                                                 two_stages):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 17, 5,
+                                           bwd_early_ps_release=True,
+                                           bwd_dkv_two_stages=two_stages)
+
+
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row,
                                            shuffle=False, **options):
     """The native route's fwd+bwd with NativeKernelOptions `options` against the FP32 reference
