@@ -217,7 +217,9 @@ def test_precompile_job_routes_do_not_leak_into_the_next_job(monkeypatch):
     process started with, not the one the job before it set."""
     import precompile
 
-    monkeypatch.delenv("MCORE_DSA_TILELANG_NOPE", raising=False)  # restored after the test
+    # set (not deleted) first, so that monkeypatch restores the variable after the test even
+    # where it was unset: its delenv records nothing for a variable that is not there
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "set-by-the-test")
     for started in (None, "padded"):
         monkeypatch.setattr(precompile, "_STARTED_ROUTE", started)
         precompile.set_route("native")
