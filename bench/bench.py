@@ -26,7 +26,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
   native_deterministic_int32x2, native_deterministic_fp32, native_deterministic_fp32g4 512/2051
                 with wip/0127 applied: the same with bwd_deterministic_form (a fixed-point scale
-                for each key; g4: bwd_deterministic_key_groups=4)
+                for each key; g4: bwd_deterministic_key_groups=4); at 16/32/64 kernel heads only
+                (other head counts keep 0124's int64 form whatever the row's name)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
