@@ -209,17 +209,29 @@ def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
 
 
 # wip/0128 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward freeing P and
-# dS after its last dKV GEMM of a block, before that chunk's adds (one and two dKV stages)
+# dS after its last dKV GEMM of a block, before that chunk's adds (one and two dKV stages; 0, 2
+# or 3 of the 8 chunks in WG0, 3 leaving WG1 an odd count). Against the FP32 reference, and
+# bitwise equal to the option-off kernel in the deterministic (int64, order-free) form, where a
+# P/dS overwrite that the tolerance would miss changes bits.
 @pytest.mark.skipif(not _has_option("bwd_early_ps_release"),
                     reason="wip/0128 (NativeKernelOptions.bwd_early_ps_release) is not applied")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("two_stages", [False, True])
+@pytest.mark.parametrize("wg0_chunks", [0, 2, 3])
 def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, heads, topk,
-                                                                 two_stages):
+                                                                 two_stages, wg0_chunks):
+    layout = dict(bwd_dkv_two_stages=two_stages, bwd_wg0_dkv_chunks=wg0_chunks)
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 17, 5,
-                                           bwd_early_ps_release=True,
-                                           bwd_dkv_two_stages=two_stages)
+                                           bwd_early_ps_release=True, **layout)
+    q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk + wg0_chunks)
+    with override_native_kernel_options(bwd_deterministic=True, **layout):
+        off = run_fused(q, k, idx, do)
+    with override_native_kernel_options(bwd_deterministic=True, bwd_early_ps_release=True,
+                                        **layout):
+        on = run_fused(q, k, idx, do)
+    for name, a, b in zip(("out", "dq", "dk"), on, off):
+        assert torch.equal(a, b), f"{name}: early_ps_release changes the deterministic result"
 
 
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row,
