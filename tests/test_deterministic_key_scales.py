@@ -88,6 +88,12 @@ def _kernel_terms(q, kv, do, indices, lse, delta, scale):
     return p, ds, c.float(), keys, valid
 
 
+def _in_group(valid, g, groups):
+    """valid [s, K] kept only on the rows of the queries that add into accumulator g (query s
+    into s mod groups)."""
+    return valid & (torch.arange(valid.size(0)) % groups == g).unsqueeze(-1)
+
+
 class KeyFixedFakes:
     """The per-key fixed-point kernels' contract in PyTorch (wip/0127): the first pass's bounds,
     the second pass's rounded terms (as int32 lanes or integer-valued floats) and the
@@ -109,9 +115,8 @@ class KeyFixedFakes:
             t += torch.einsum("bshk,bsh->bsk", p.double(), row_max[..., 1].double())
             count = torch.ceil((t * bound_scale.double() * (1 + 2**-10)).float().double())
             for bi in range(key_bound.size(0)):
-                for g in range(key_groups):  # query s adds into accumulator s mod key_groups
-                    v = valid[bi].clone()
-                    v[torch.arange(v.size(0)) % key_groups != g] = False
+                for g in range(key_groups):
+                    v = _in_group(valid[bi], g, key_groups)
                     key_bound[bi, :, g].index_add_(0, keys[bi][v], count[bi][v].long())
             self.bound_units = key_bound.clone(), bound_scale.clone()
 
@@ -130,8 +135,7 @@ class KeyFixedFakes:
             key_bound, units = self.bound_units
             assert key_scale.shape == (kv.size(0), kv.size(1), groups)
             for bi, g in ((bi, g) for bi in range(c.size(0)) for g in range(groups)):
-                v = valid[bi].clone()
-                v[torch.arange(v.size(0)) % groups != g] = False
+                v = _in_group(valid[bi], g, groups)
                 k, terms = keys[bi][v], c[bi][v]
                 total = torch.zeros(kv.size(1), D, dtype=torch.float64)
                 total.index_add_(0, k, terms.abs().double())
