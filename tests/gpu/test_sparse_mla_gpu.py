@@ -175,8 +175,7 @@ def test_native_deterministic_backward_is_bitwise_repeatable(monkeypatch, heads,
         first = run_fused(q, k, idx, do)
         for _ in range(3):
             again = run_fused(q, k, idx, do)
-            for name, a, b in zip(("out", "dq", "dk"), first, again):
-                assert torch.equal(a, b), f"{name} differs between two identical runs"
+            assert_bitwise(first, again, "differs between two identical runs")
 
 
 # wip/0127 (issue #21), in runs that apply it with WIP_PATCHES: the deterministic backward with a
@@ -200,8 +199,7 @@ def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
         first = run_fused(q, k, idx, do)
         for _ in range(2):
             again = run_fused(q, k, idx, do)
-            for name, a, b in zip(("out", "dq", "dk"), first, again):
-                assert torch.equal(a, b), f"{name} differs between two identical runs"
+            assert_bitwise(first, again, "differs between two identical runs")
     default = run_fused(q, k, idx, do)
     ref = run_reference(q, k, idx, do)
     err, err_default = rel_l2(first[2], ref[2]), rel_l2(default[2], ref[2])
@@ -230,8 +228,13 @@ def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, he
     with override_native_kernel_options(bwd_deterministic=True, bwd_early_ps_release=True,
                                         **layout):
         on = run_fused(q, k, idx, do)
-    for name, a, b in zip(("out", "dq", "dk"), on, off):
-        assert torch.equal(a, b), f"{name}: early_ps_release changes the deterministic result"
+    assert_bitwise(on, off, "changes with early_ps_release in the deterministic form")
+
+
+def assert_bitwise(got, want, what):
+    """out, dq and dk of two fwd+bwd calls bit for bit equal (what: the message's end)."""
+    for name, a, b in zip(("out", "dq", "dk"), got, want):
+        assert torch.equal(a, b), f"{name} {what}"
 
 
 def native_backward_matches_fp32_reference(monkeypatch, heads, topk, seed, empty_row,
