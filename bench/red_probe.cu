@@ -170,6 +170,14 @@ int main(int argc, char **argv) {
   void *acc;
   size_t max_bytes = (size_t)seq * D * 8;
   CHECK(cudaMalloc(&acc, max_bytes));
+  // valid (query, key) pairs, counted on the host the way key_of draws them
+  double pairs = 0;
+  for (int q = 0; q < seq; ++q) {
+    int complete = (q + 1) / POOL;
+    pairs += (complete < TOPK / POOL ? complete : TOPK / POOL) * POOL;
+    int tail = q + 1 - complete * POOL;
+    pairs += tail < POOL - 1 ? tail : POOL - 1;
+  }
   printf("| form | keys | accumulator MiB | ms | ratio to v4.f32 | reductions (G) | GB added |\n");
   printf("|---|---|---|---|---|---|---|\n");
   // all keys (the accumulator as large as the backward's), then keys folded into 4096 rows
@@ -191,14 +199,6 @@ int main(int argc, char **argv) {
         case V4_TILE: ms = run<V4_TILE>(acc, bytes, seq, mask, reps); break;
       }
       if (f == 0) base = ms;
-      // valid (query, key) pairs, counted on the host the way key_of draws them
-      double pairs = 0;
-      for (int q = 0; q < seq; ++q) {
-        int complete = (q + 1) / POOL;
-        pairs += (complete < TOPK / POOL ? complete : TOPK / POOL) * POOL;
-        int tail = q + 1 - complete * POOL;
-        pairs += tail < POOL - 1 ? tail : POOL - 1;
-      }
       double ops = pairs * D / values_per_op[f];
       printf("| %s | %d | %.0f | %.2f | %.3f | %.2f | %.1f |\n", names[f], keys, bytes / 1048576.0,
              ms, ms / base, ops / 1e9, pairs * D * bytes_per_value[f] / 1e9);
