@@ -580,6 +580,20 @@ def test_bwd_native_ws64_wg0_dkv_chunks(sm90):
     assert _only_smem(smem) == _only_smem(two_smem)
 
 
+@needs_tilelang
+@needs("0115")
+@pytest.mark.parametrize("stages, chunks", [(1, 8), (2, 7)])
+def test_bwd_native_ws64_wg0_dkv_chunks_leave_wg1_its_stages(sm90, stages, chunks):
+    """0115: WG1 keeps at least one dKV chunk a stage. With two stages it takes its chunks in
+    pairs after an odd first one; seven of eight chunks for WG0 would leave it none to pair, a
+    kernel issuing a ninth chunk's GEMM and never waiting for it: declined at build time."""
+    topk = _round_up(2051, BWD_BLOCK)
+    with pytest.raises(AssertionError):
+        _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages {stages} wg0 {chunks}",
+               bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
+               dkv_stages=stages, wg0_dkv_chunks=chunks)
+
+
 # the CUDA statements that order the warpgroups' work (named and CTA barriers, mbarrier waits
 # and arrives, wgmma waits); fences are left out (the hand-issued copies add two harmless ones)
 _ORDERING = re.compile(
