@@ -12,7 +12,8 @@ warp-specialized kernel with two KV buffers, where the installed tree has it; ws
 with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
 ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_async: FlashMLA's GEMM
-waits, with WIP_PATCHES=wip/0117-fwd-ws64-async-gemms.patch; ws64_l2*: L2 eviction and prefetch
+waits, with WIP_PATCHES=wip/0117-fwd-ws64-async-gemms.patch; ws64_persist: one CTA an SM
+walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; ws64_l2*: L2 eviction and prefetch
 hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
@@ -52,6 +53,8 @@ VARIANTS = {
     "ws64": (False, {}),
     # wip/0117 (NativeKernelOptions.fwd_ws64_async_gemms): FlashMLA's GEMM waits
     "ws64_async": (False, {}),
+    # wip/0129 (NativeKernelOptions.fwd_ws64_persistent): one CTA an SM walking the queries
+    "ws64_persist": (False, {}),
     # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
     "ws64_l2kl": (False, {}),
     "ws64_l2klpf": (False, {}),
@@ -100,6 +103,10 @@ def call(fwd_mod, name, q, kv, idx):
         if "fwd_ws64_async_gemms" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
             raise RuntimeError(f"{name} needs wip/0117-fwd-ws64-async-gemms.patch (WIP_PATCHES=)")
         opts["fwd_ws64_async_gemms"] = True
+    if name == "ws64_persist":
+        if "fwd_ws64_persistent" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
+            raise RuntimeError(f"{name} needs wip/0129-fwd-ws64-persistent.patch (WIP_PATCHES=)")
+        opts["fwd_ws64_persistent"] = True
     if hasattr(fwd_mod, "WS64_L2_HINT"):  # wip/0119
         fwd_mod.WS64_L2_HINT = WS64_L2_HINTS.get(name, "")
     elif name in WS64_L2_HINTS:

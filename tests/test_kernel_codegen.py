@@ -29,6 +29,7 @@ from native_kernels import (
     SM90_SMEM_PER_SM,
     SM90_TARGET,
     TAIL,
+    _has_option,
     bwd_mod,
     fwd_mod,
     has,
@@ -481,6 +482,44 @@ def test_fwd_native_ws64_compiles_for_sm90a(sm90, heads):
     assert all(("min(" in line) == (heads == 32) for line in q_loads)
     assert "_tail" not in src and "(int64_t)576" not in src
     assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
+                    reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads):
+    """wip/0129: with ctas, ctas CTAs each loop over their queries in all three warpgroups. Each
+    consumer arrives once a query on the 256-arrival Q handover, in its last block pair, after
+    the score GEMMs (waited); the producer waits on it before loading the next Q and adds no
+    CTA-wide sync; the warpgroups keep their own named barriers, the same shared memory as a
+    CTA a query, and the barriers' phases count pairs over the queries."""
+    topk = _round_up(2051, 2 * BLOCK_I)
+    args = (heads, D_V, topk, None)
+    src, smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk} ctas 132",
+                          fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
+                          runtime_scale=True, ctas=132)
+    one, one_smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk}",
+                              fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
+                              runtime_scale=True)
+    assert "bar_q_free[0].init(256);" in src
+    _check_setmaxnreg_budget(src)
+    wg0, wg1, producer = _split_ws64_fwd(src)
+    for wg in (wg0, wg1, producer):
+        assert re.search(r"for \(int q_it\w* = 0; q_it\w* < .*/ 132\)", wg)
+    last = r"if \(p_i\w* == 16\) \{\s*bar_q_free\[0\]\.arrive\(\);"
+    for wg in (wg0, wg1):
+        assert len(re.findall(last, wg)) == 1 and wg.count("bar_q_free") == 1
+        arrive = wg.index("bar_q_free[0].arrive()")
+        assert wg.rindex("warpgroup_wait<0>()", 0, arrive) > wg.rindex("Q_", 0, arrive)
+    assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", wg0)) == {"3"}
+    assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", wg1)) == {"4"}
+    assert "__sync_thread_partial" not in producer and "__syncthreads" not in producer
+    wait = producer.index("bar_q_free[0].wait(((q_it")
+    assert wait < producer.index("(&(Q[") < producer.index("mbarrier_cp_async_arrive_noinc(bar_q")
+    assert "* 17) + p_i" in wg0 and "* 17) + p_i" in producer  # 17 pairs a query
+    assert _only_smem(smem) == _only_smem(one_smem)
 
 
 @needs_tilelang

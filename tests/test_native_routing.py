@@ -17,6 +17,7 @@ from native_kernels import (
     BWD_BLOCK,
     D_V,
     TAIL,
+    _has_option,
     bwd_mod,
     dsa_kernels,
     fwd_mod,
@@ -144,10 +145,11 @@ class KernelFakes:
                                ctas=ctas)
         return kernel
 
-    def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False):
+    def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False, ctas=0):
+        # ctas: wip/0129's persistent form (the series' wrapper does not pass it)
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
-        self.builds[-1].update(kind="fwd_ws64")
+        self.builds[-1].update(kind="fwd_ws64", ctas=ctas)
         return kernel
 
     def get_pre(self, H, D):
@@ -669,6 +671,35 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
     assert [b["kind"] for b in backward_builds()] == ["bwd"]
     monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H")
     assert [b["kind"] for b in backward_builds(schedule=False)] == ["bwd"]
+
+
+@needs_tilelang
+@pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
+                    reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("persist", [False, True])
+def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
+    """wip/0129: NativeKernelOptions.fwd_ws64_persistent builds 0112's forward with one CTA an SM
+    of the query's device; off (the default), a CTA a query, without asking the device. The
+    gradients through the hook are the reference's either way."""
+    asked = []  # the CPU inputs stand for a device with 7 SMs
+
+    def props(device):
+        asked.append(torch.device(device))
+        return types.SimpleNamespace(multi_processor_count=7)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(fwd_ws64=True, fwd_ws64_persistent=persist):  # 0112 off (the fixture)
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
+    assert [b["kind"] for b in fwd] == ["fwd_ws64"]
+    assert fwd[0]["ctas"] == (7 if persist else 0)
+    assert set(asked) == ({query.device} if persist else set())
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
+    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
+        assert (got.float() - ref).norm() / ref.norm() < 2e-2
 
 
 @needs_tilelang
