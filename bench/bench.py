@@ -54,7 +54,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_fwd_beside_gemm / native_fwd_cta_beside_gemm  native_fwd with a side stream kept busy by
                 8192^3 bf16 GEMMs enqueued before each call (another kernel shares the GPU), with
                 the persistent forward and with NativeKernelOptions(fwd_ws_persistent=False), a
-                CTA a query (issue #18: the persistent form must not lose there), 32k/16 heads
+                CTA a query (issue #18: the persistent form must not lose there), 32k/16 heads;
+                at 32/64 heads the same with fwd_ws64_persistent True / False (wip/0129 applied)
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
@@ -592,13 +593,16 @@ def run(args):
         add("padded_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "padded"), q512, k512, idx, True), True)
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)
-            if heads == 16 and L == 32768 and has_native_option("fwd_ws_persistent"):
-                # the persistent forward (0070) and a CTA a query with another kernel beside them
+            # the persistent forward and a CTA a query with another kernel beside them: 0070's
+            # at 16 heads, wip/0129's 64-row one at 32/64 heads where the tree has it
+            field = {16: "fwd_ws_persistent", 32: "fwd_ws64_persistent",
+                     64: "fwd_ws64_persistent"}.get(heads)
+            if field and L == 32768 and has_native_option(field):
                 for name, persistent in (("native_fwd_beside_gemm", True),
                                          ("native_fwd_cta_beside_gemm", False)):
                     add(name, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
-                        options=dict(fwd_ws_persistent=persistent)), True)
+                        options={field: persistent}), True)
         if wanted("cudnn") or wanted("cudnn_fwd"):
             if cudnn_mod is None:
                 for name in ("cudnn", "cudnn_fwd"):
