@@ -233,23 +233,27 @@ def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, he
 
 # wip/0129 (issue #18), in runs that apply it with WIP_PATCHES: 0112's forward persistent, one
 # CTA an SM walking the queries of the flattened batch x sequence (two sequences of 300, bucketed
-# to 512: up to eight queries a CTA, across the batch boundary; top-k 65: one block pair a
-# query, so Q is handed back after the first). Each batch element against its own FP32
-# reference, a row with no valid index exactly zero, and out and dq bitwise equal to a CTA a
-# query's (each query sums its blocks in the same order either way).
+# to 512: up to eight queries a CTA, across the batch boundary; one of 100 bucketed to 128: fewer
+# queries than SMs, so some CTAs have none; top-k 65: one block pair a query, so Q is handed
+# back after the first). Each batch element against its own FP32 reference, a row with no valid
+# index exactly zero, and out and dq bitwise equal to a CTA a query's (each query sums its
+# blocks in the same order either way).
 @pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
                     reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
+@pytest.mark.parametrize("sq,batch,bucket", [(300, 2, None), (100, 1, "128")])
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
-def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, topk):
+def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, topk, sq, batch,
+                                                           bucket):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
-    sq, batch = 300, 2
+    if bucket:
+        monkeypatch.setenv("MCORE_DSA_TILELANG_SEQ_BUCKET", bucket)
     g = torch.Generator().manual_seed(heads + topk)
     q = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
     k = torch.randn(sq, batch, 1, 512, generator=g).to(DEV, torch.bfloat16)
     do = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
     idx = torch.stack([causal_random_indices(sq, sq, topk, g) for _ in range(batch)]).to(DEV)
-    idx[1, 7] = -1
+    idx[batch - 1, 7] = -1
     with override_native_kernel_options(fwd_ws64_persistent=True, **phase_off()):
         got = run_fused(q, k, idx, do)
     with override_native_kernel_options(**phase_off()):
@@ -261,7 +265,8 @@ def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, t
         for name, a, r in zip(("out", "dq", "dk"), got, ref):
             err = rel_l2(a[:, b:b + 1], r)
             assert err < TOL, f"batch {b} {name}: relative L2 error {err:.2e}"
-    assert torch.count_nonzero(got[0][7, 1]) == 0 and torch.count_nonzero(got[1][7, 1]) == 0
+    empty = (7, batch - 1)
+    assert torch.count_nonzero(got[0][empty]) == 0 and torch.count_nonzero(got[1][empty]) == 0
 
 
 def assert_bitwise(got, want, what):
