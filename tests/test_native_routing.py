@@ -307,6 +307,27 @@ def _run_hook(fakes, query, key, idx, scale):
     return out, grad, log.shapes
 
 
+def _seven_sm_device(monkeypatch):
+    """torch.cuda.get_device_properties faked: the CPU inputs stand for a device with 7 SMs.
+    Returns the list of devices it is asked about."""
+    asked = []
+
+    def props(device):
+        asked.append(torch.device(device))
+        return types.SimpleNamespace(multi_processor_count=7)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    return asked
+
+
+def _assert_hook_matches_reference(out, grad, query, key, idx, scale):
+    """The hook's output and the gradients it left in query.grad / key.grad within 2e-2
+    (relative L2) of the FP32 reference's."""
+    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
+    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
+        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+
+
 def _reference_grads(query, key, idx, scale, grad):
     q = query.detach().float().permute(1, 0, 2, 3).requires_grad_()
     k = key.detach().float().permute(1, 0, 2, 3).requires_grad_()
@@ -568,13 +589,7 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     the default). At 16 kernel heads it is persistent, one CTA per SM of the input's device,
     unless fwd_ws_persistent=False; at 32 a CTA a query. The backward is the same."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
-    asked = []  # the CPU inputs stand for a device with 7 SMs
-
-    def props(device):
-        asked.append(torch.device(device))
-        return types.SimpleNamespace(multi_processor_count=7)
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    asked = _seven_sm_device(monkeypatch)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     with options(fwd_warp_specialized=ws, fwd_ws_persistent=persist):
@@ -596,9 +611,7 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     assert first["kv"].data_ptr() == key.data_ptr()
     if heads == native_heads:
         assert first["q"].data_ptr() == query.data_ptr()
-    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
-    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
-        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
 @needs_tilelang
@@ -647,9 +660,7 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
             assert c["indices"].data_ptr() == idx.data_ptr()
         if heads == native_heads:
             assert c["q"].data_ptr() == query.data_ptr()
-    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
-    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
-        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
     if not (bwd_on and bwd_rows64):
         return
 
@@ -682,13 +693,7 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
     """wip/0129: NativeKernelOptions.fwd_ws64_persistent builds 0112's forward with one CTA an SM
     of the query's device; off (the default), a CTA a query, without asking the device. The
     gradients through the hook are the reference's either way."""
-    asked = []  # the CPU inputs stand for a device with 7 SMs
-
-    def props(device):
-        asked.append(torch.device(device))
-        return types.SimpleNamespace(multi_processor_count=7)
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    asked = _seven_sm_device(monkeypatch)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     with options(fwd_ws64=True, fwd_ws64_persistent=persist):  # 0112 off (the fixture)
@@ -697,9 +702,7 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
     assert [b["kind"] for b in fwd] == ["fwd_ws64"]
     assert fwd[0]["ctas"] == (7 if persist else 0)
     assert set(asked) == ({query.device} if persist else set())
-    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, scale, grad)
-    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
-        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
 @needs_tilelang
@@ -832,9 +835,7 @@ def test_576_keeps_the_rope_tail_path(fakes, monkeypatch):
         assert c["indices"].shape == (1, sq, 1, padded)  # -1 padded to a multiple of 64
         assert bool((c["indices"][..., topk:] == -1).all())
     assert fakes.calls[2]["dkv"].size(-1) == 576
-    ref_out, ref_dq, ref_dk = _reference_grads(query, key, idx, 576 ** -0.5, grad)
-    for got, ref in ((out, ref_out), (query.grad, ref_dq), (key.grad, ref_dk)):
-        assert (got.float() - ref).norm() / ref.norm() < 2e-2
+    _assert_hook_matches_reference(out, grad, query, key, idx, 576 ** -0.5)
 
 
 @needs("0121")
