@@ -13,8 +13,8 @@ with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
 ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_async: FlashMLA's GEMM
 waits, with WIP_PATCHES=wip/0117-fwd-ws64-async-gemms.patch; ws64_persist: one CTA an SM
-walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; ws64_l2*: L2 eviction and prefetch
-hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch), flashmla. Writes
+walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; ws64_l2*: L2 eviction
+and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -68,6 +68,11 @@ WS64_L2_HINTS = {
     "ws64_l2kfpf": "kv_first+pf256+q_first",
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
+# the variants that turn on one NativeKernelOptions field a wip draft adds: (field, draft)
+WIP_OPTIONS = {
+    "ws64_async": ("fwd_ws64_async_gemms", "wip/0117-fwd-ws64-async-gemms.patch"),
+    "ws64_persist": ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch"),
+}
 
 
 def runs_at(name, heads):
@@ -99,14 +104,11 @@ def call(fwd_mod, name, q, kv, idx):
             if "fwd_ws_mma" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
                 raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
             opts["fwd_ws_mma"] = "wgmma"
-    if name == "ws64_async":
-        if "fwd_ws64_async_gemms" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
-            raise RuntimeError(f"{name} needs wip/0117-fwd-ws64-async-gemms.patch (WIP_PATCHES=)")
-        opts["fwd_ws64_async_gemms"] = True
-    if name == "ws64_persist":
-        if "fwd_ws64_persistent" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
-            raise RuntimeError(f"{name} needs wip/0129-fwd-ws64-persistent.patch (WIP_PATCHES=)")
-        opts["fwd_ws64_persistent"] = True
+    if name in WIP_OPTIONS:
+        field, draft = WIP_OPTIONS[name]
+        if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
+            raise RuntimeError(f"{name} needs {draft} (WIP_PATCHES=)")
+        opts[field] = True
     if hasattr(fwd_mod, "WS64_L2_HINT"):  # wip/0119
         fwd_mod.WS64_L2_HINT = WS64_L2_HINTS.get(name, "")
     elif name in WS64_L2_HINTS:
