@@ -13,7 +13,8 @@ with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
 ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_async: FlashMLA's GEMM
 waits, with WIP_PATCHES=wip/0117-fwd-ws64-async-gemms.patch; ws64_persist: one CTA an SM
-walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; ws64_l2*: L2 eviction
+walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp: exp2 as one
+ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; ws64_l2*: L2 eviction
 and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
@@ -55,6 +56,10 @@ VARIANTS = {
     "ws64_async": (False, {}),
     # wip/0129 (NativeKernelOptions.fwd_ws64_persistent): one CTA an SM walking the queries
     "ws64_persist": (False, {}),
+    # wip/0130 (NativeKernelOptions.fast_exp2): exp2 as one ex2.approx.ftz
+    "ws_fexp": (True, {}),
+    "ws64_fexp": (False, {}),
+    "ws64_persist_fexp": (False, {}),
     # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
     "ws64_l2kl": (False, {}),
     "ws64_l2klpf": (False, {}),
@@ -68,10 +73,15 @@ WS64_L2_HINTS = {
     "ws64_l2kfpf": "kv_first+pf256+q_first",
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
-# the variants that turn on one NativeKernelOptions field a wip draft adds: (field, draft)
+# the variants that turn on NativeKernelOptions fields wip drafts add: ((field, draft), ...)
+_PERSIST = ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch")
+_FAST_EXP2 = ("fast_exp2", "wip/0130-native-fast-exp2.patch")
 WIP_OPTIONS = {
-    "ws64_async": ("fwd_ws64_async_gemms", "wip/0117-fwd-ws64-async-gemms.patch"),
-    "ws64_persist": ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch"),
+    "ws64_async": (("fwd_ws64_async_gemms", "wip/0117-fwd-ws64-async-gemms.patch"),),
+    "ws64_persist": (_PERSIST,),
+    "ws_fexp": (_FAST_EXP2,),
+    "ws64_fexp": (_FAST_EXP2,),
+    "ws64_persist_fexp": (_PERSIST, _FAST_EXP2),
 }
 
 
@@ -104,8 +114,7 @@ def call(fwd_mod, name, q, kv, idx):
             if "fwd_ws_mma" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
                 raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
             opts["fwd_ws_mma"] = "wgmma"
-    if name in WIP_OPTIONS:
-        field, draft = WIP_OPTIONS[name]
+    for field, draft in WIP_OPTIONS.get(name, ()):
         if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
             raise RuntimeError(f"{name} needs {draft} (WIP_PATCHES=)")
         opts[field] = True
