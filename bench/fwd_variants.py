@@ -14,7 +14,8 @@ query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-
 ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_async: FlashMLA's GEMM
 waits, with WIP_PATCHES=wip/0117-fwd-ws64-async-gemms.patch; ws64_persist: one CTA an SM
 walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp: exp2 as one
-ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; ws64_l2*: L2 eviction
+ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; _smask: -1 entries masked after the score
+GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; ws64_l2*: L2 eviction
 and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
@@ -60,6 +61,9 @@ VARIANTS = {
     "ws_fexp": (True, {}),
     "ws64_fexp": (False, {}),
     "ws64_persist_fexp": (False, {}),
+    # wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask): -1 entries masked after the GEMMs
+    "ws64_smask": (False, {}),
+    "ws64_persist_fexp_smask": (False, {}),
     # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
     "ws64_l2kl": (False, {}),
     "ws64_l2klpf": (False, {}),
@@ -76,12 +80,15 @@ THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads on
 # the variants that turn on NativeKernelOptions fields wip drafts add: ((field, draft), ...)
 _PERSIST = ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch")
 _FAST_EXP2 = ("fast_exp2", "wip/0130-native-fast-exp2.patch")
+_SHARED_MASK = ("fwd_ws64_shared_mask", "wip/0131-fwd-ws64-shared-mask.patch")
 WIP_OPTIONS = {
     "ws64_async": (("fwd_ws64_async_gemms", "wip/0117-fwd-ws64-async-gemms.patch"),),
     "ws64_persist": (_PERSIST,),
     "ws_fexp": (_FAST_EXP2,),
     "ws64_fexp": (_FAST_EXP2,),
     "ws64_persist_fexp": (_PERSIST, _FAST_EXP2),
+    "ws64_smask": (_SHARED_MASK,),
+    "ws64_persist_fexp_smask": (_PERSIST, _FAST_EXP2, _SHARED_MASK),
 }
 
 

@@ -299,6 +299,29 @@ def test_native_fast_exp2_matches_fp32_reference(monkeypatch, heads, topk):
         assert err <= 1.1 * err_off + 1e-4, f"q x 30: {name} {err:.2e} against exp2f's {err_off:.2e}"
 
 
+# wip/0131 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward masks -1
+# entries after its score GEMMs, from shared memory the gather warpgroup fills. The scores are the
+# same bits (0 added where the mask started the accumulator at 0), so out and dq equal the
+# default's bit for bit; a CTA a query and persistent (wip/0129, where applied); top-k 65 (the
+# last block mostly -1), rows with no valid index.
+@pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
+                    reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_native_fwd_ws64_shared_mask_matches_fp32_reference(monkeypatch, heads, topk):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 29, 11,
+                                           fwd_ws64_shared_mask=True, **phase_off())
+    q, k, do, idx = make(300, heads, 512, topk, seed=heads + topk, empty_rows=(5, 299))
+    with override_native_kernel_options(**phase_off()):
+        want = run_fused(q, k, idx, do)
+    forms = [{}] + ([{"fwd_ws64_persistent": True}] if _has_option("fwd_ws64_persistent") else [])
+    for form in forms:
+        with override_native_kernel_options(fwd_ws64_shared_mask=True, **form, **phase_off()):
+            got = run_fused(q, k, idx, do)
+        assert torch.equal(got[0], want[0]), f"out differs from the default's ({form})"
+        assert torch.equal(got[1], want[1]), f"dq differs from the default's ({form})"
+
+
 def assert_bitwise(got, want, what):
     """out, dq and dk of two fwd+bwd calls bit for bit equal (what: the message's end)."""
     for name, a, b in zip(("out", "dq", "dk"), got, want):
