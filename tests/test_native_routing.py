@@ -138,18 +138,23 @@ class KernelFakes:
         return kernel
 
     def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers, qk_chains=4, ctas=0,
-                   runtime_scale=False):
+                   runtime_scale=False, **drafts):
+        # drafts: wip/0130's fast_exp2 (passed only when on), which changes no result
+        assert set(drafts) <= {"fast_exp2"}, drafts
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
         self.builds[-1].update(kind="fwd_ws", num_buffers=num_buffers, qk_chains=qk_chains,
-                               ctas=ctas)
+                               ctas=ctas, **drafts)
         return kernel
 
-    def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False, ctas=0):
-        # ctas: wip/0129's persistent form (the series' wrapper does not pass it)
+    def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False, ctas=0,
+                     **drafts):
+        # ctas: wip/0129's persistent form (the series' wrapper does not pass it); drafts:
+        # wip/0130's fast_exp2 and wip/0131's shared_mask (passed only when on)
+        assert set(drafts) <= {"fast_exp2", "shared_mask"}, drafts
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
-        self.builds[-1].update(kind="fwd_ws64", ctas=ctas)
+        self.builds[-1].update(kind="fwd_ws64", ctas=ctas, **drafts)
         return kernel
 
     def get_pre(self, H, D):
@@ -186,8 +191,10 @@ class KernelFakes:
 
     def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
-        # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns) change no result
-        assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns"}, levers
+        # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns) and wip/0130's
+        # fast_exp2 change no result
+        assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
+                               "fast_exp2"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
         self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks,
@@ -702,6 +709,51 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
     assert [b["kind"] for b in fwd] == ["fwd_ws64"]
     assert fwd[0]["ctas"] == (7 if persist else 0)
     assert set(asked) == ({query.device} if persist else set())
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
+@pytest.mark.skipif(not _has_option("fast_exp2"),
+                    reason="wip/0130 (NativeKernelOptions.fast_exp2) is not applied")
+@pytest.mark.parametrize("heads", [16, 32, 64])
+@pytest.mark.parametrize("fast", [False, True])
+def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
+    """wip/0130: NativeKernelOptions.fast_exp2 reaches the warp-specialized forward's builder
+    and, at 32/64 heads, the 64-row backward's (the 16-head backward is the head-block kernel,
+    which keeps exp2f); off (the default), their calls are the series' own, without the
+    argument. The gradients through the hook are the reference's either way."""
+    _seven_sm_device(monkeypatch)  # 0070's persistent forward asks for the SM count
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    # the fixture turns the warp-specialized and 64-row kernels off
+    with options(fwd_warp_specialized=True, fwd_ws64=True, bwd_ws64=True, fast_exp2=fast):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    built = {b["kind"]: b for b in fakes.builds}
+    fwd_kind = "fwd_ws" if heads == 16 else "fwd_ws64"
+    kinds = (fwd_kind, "bwd_ws64") if heads > 16 else (fwd_kind,)
+    for kind in kinds:
+        assert kind in built, sorted(built)
+        assert built[kind].get("fast_exp2", False) == fast, (kind, built[kind])
+    if heads == 16:
+        assert "fast_exp2" not in built["bwd"]
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
+@pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
+                    reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("on", [False, True])
+def test_native_fwd_ws64_shared_mask_switch(fakes, heads, on):
+    """wip/0131: NativeKernelOptions.fwd_ws64_shared_mask reaches 0112's builder (off, the
+    default: the series' call). The gradients through the hook are the reference's."""
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(fwd_ws64=True, fwd_ws64_shared_mask=on):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
+    assert [b["kind"] for b in fwd] == ["fwd_ws64"]
+    assert fwd[0].get("shared_mask", False) == on
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
