@@ -672,3 +672,62 @@ def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
     assert on.count("glm_cp_async16_evict_first(") == copies + 1  # + the helper's definition
     assert "cp_async_gs" not in on
     assert on.count("AtomicAddx4(") == off.count("AtomicAddx4(")
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
+                    reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_fwd_native_ws64_shared_mask_compiles_for_sm90a(sm90, heads):
+    """wip/0131: with shared_mask the consumers read no index from global memory; each clears
+    its scores in the first score GEMM, waits on the producer's 16-arrival mask barrier after
+    the second GEMM has completed and adds the mask from shared memory before the row maxima.
+    The producer's 16 writers (one a row group) arrive after the pair's last gather is issued.
+    512 B (2 x 64 fp32) more shared memory than without."""
+    topk = _round_up(2051, 2 * BLOCK_I)
+    args = (heads, D_V, topk, None)
+    src, smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk} shared_mask",
+                          fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
+                          runtime_scale=True, shared_mask=True)
+    _, one_smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk}",
+                            fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
+                            runtime_scale=True)
+    assert "bar_mask[0].init(16);" in src
+    _check_setmaxnreg_budget(src)
+    wg0, wg1, producer = _split_ws64_fwd(src)
+    for wg in (wg0, wg1):
+        assert "Indices[" not in wg
+        wait = wg.index("bar_mask[0].wait(")
+        assert wg.rindex("warpgroup_wait<0>()", 0, wait) > wg.rindex("tl::wgmma", 0, wait)
+        assert wait < wg.index("mask_shared", wait) < wg.index("tl::AllReduce<tl::MaxOp", wait)
+    assert producer.count("bar_mask[0].arrive()") == 1
+    assert producer.index("mask_shared") > producer.rindex("mbarrier_cp_async_arrive_noinc")
+    assert _only_smem(smem) == _only_smem(one_smem) + 2 * 64 * 4
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.skipif(not _has_option("fast_exp2"),
+                    reason="wip/0130 (NativeKernelOptions.fast_exp2) is not applied")
+@pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws64", "bwd_ws64"])
+def test_native_fast_exp2_compiles_for_sm90a(sm90, kernel):
+    """wip/0130: with fast_exp2 every exponential of the kernel is the prelude's ex2.approx.ftz
+    helper and none is exp2f; without it, none is the helper (the series' kernel)."""
+    topk = _round_up(2051, 2 * BLOCK_I)
+    if kernel == "fwd_ws":
+        build = lambda **kw: _sm90a(sm90, f"fwd_ws h16 {kw}", fwd_mod.sparse_mla_fwd_nope_ws, 16,
+                                    D_V, _round_up(2051, 3 * BLOCK_I), None, block_I=BLOCK_I,
+                                    num_buffers=3, ctas=132, runtime_scale=True, **kw)
+    elif kernel == "fwd_ws64":
+        build = lambda **kw: _sm90a(sm90, f"fwd_ws64 h64 {kw}", fwd_mod.sparse_mla_fwd_nope_ws64,
+                                    64, D_V, topk, None, block_I=BLOCK_I, runtime_scale=True, **kw)
+    else:
+        build = lambda **kw: _sm90a(sm90, f"bwd_ws64 h64 {kw}", bwd_mod.sparse_mla_bwd_ws64, 64,
+                                    D_V, _round_up(2051, 64), runtime_scale=True, dkv_stages=2,
+                                    wg0_dkv_chunks=2, **kw)
+    fast, _, _ = build(fast_exp2=True)
+    plain, _, _ = build()
+    assert "ex2.approx.ftz.f32" in fast and fast.count("glm_exp2_ftz(") > 1  # defined, called
+    assert "exp2f(" not in fast
+    assert "exp2f(" in plain and "glm_exp2_ftz" not in plain
