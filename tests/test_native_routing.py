@@ -191,10 +191,10 @@ class KernelFakes:
 
     def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
-        # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns) and wip/0130's
-        # fast_exp2 change no result
+        # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), wip/0130's
+        # fast_exp2 and wip/0132's async_dq change no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
-                               "fast_exp2"}, levers
+                               "fast_exp2", "async_dq"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
         self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks,
@@ -754,6 +754,23 @@ def test_native_fwd_ws64_shared_mask_switch(fakes, heads, on):
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
     assert [b["kind"] for b in fwd] == ["fwd_ws64"]
     assert fwd[0].get("shared_mask", False) == on
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
+@pytest.mark.skipif(not _has_option("bwd_ws64_async_dq"),
+                    reason="wip/0132 (NativeKernelOptions.bwd_ws64_async_dq) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("on", [False, True])
+def test_native_bwd_ws64_async_dq_switch(fakes, heads, on):
+    """wip/0132: NativeKernelOptions.bwd_ws64_async_dq reaches 0113's builder (off, the
+    default: the series' call). The gradients through the hook are the reference's."""
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(bwd_ws64=True, bwd_ws64_async_dq=on):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    bwd = [b for b in fakes.builds if b["kind"] == "bwd_ws64"]
+    assert len(bwd) == 1 and bwd[0].get("async_dq", False) == on
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 

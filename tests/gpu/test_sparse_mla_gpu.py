@@ -322,6 +322,28 @@ def test_native_fwd_ws64_shared_mask_matches_fp32_reference(monkeypatch, heads, 
         assert torch.equal(got[1], want[1]), f"dq differs from the default's ({form})"
 
 
+# wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
+# its dQ GEMM under the block's first dKV GEMMs and frees the KV buffer after it, with no proxy
+# fence of its own. Each WG0 chunk split (0, 2 and 3: 3 gives WG1 an odd first chunk, done on its
+# own) against the FP32 reference, and bitwise equal to the option off in the deterministic int64
+# form (a KV buffer freed too early would change bits there).
+@pytest.mark.skipif(not _has_option("bwd_ws64_async_dq"),
+                    reason="wip/0132 (NativeKernelOptions.bwd_ws64_async_dq) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("wg0_chunks", [0, 2, 3])
+def test_native_backward_async_dq_matches_fp32_reference(monkeypatch, heads, topk, wg0_chunks):
+    layout = dict(bwd_dkv_two_stages=True, bwd_wg0_dkv_chunks=wg0_chunks)
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 31, 6,
+                                           bwd_ws64_async_dq=True, **layout)
+    q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk + wg0_chunks + 1)
+    with override_native_kernel_options(bwd_deterministic=True, **layout):
+        off = run_fused(q, k, idx, do)
+    with override_native_kernel_options(bwd_deterministic=True, bwd_ws64_async_dq=True, **layout):
+        on = run_fused(q, k, idx, do)
+    assert_bitwise(on, off, "changes with bwd_ws64_async_dq in the deterministic form")
+
+
 def assert_bitwise(got, want, what):
     """out, dq and dk of two fwd+bwd calls bit for bit equal (what: the message's end)."""
     for name, a, b in zip(("out", "dq", "dk"), got, want):
