@@ -64,6 +64,9 @@ VARIANTS = {
     # wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask): -1 entries masked after the GEMMs
     "ws64_smask": (False, {}),
     "ws64_persist_fexp_smask": (False, {}),
+    # two of the three (which of them the combination needs)
+    "ws64_fexp_smask": (False, {}),
+    "ws64_persist_smask": (False, {}),
     # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
     "ws64_l2kl": (False, {}),
     "ws64_l2klpf": (False, {}),
@@ -89,6 +92,8 @@ WIP_OPTIONS = {
     "ws64_persist_fexp": (_PERSIST, _FAST_EXP2),
     "ws64_smask": (_SHARED_MASK,),
     "ws64_persist_fexp_smask": (_PERSIST, _FAST_EXP2, _SHARED_MASK),
+    "ws64_fexp_smask": (_FAST_EXP2, _SHARED_MASK),
+    "ws64_persist_smask": (_PERSIST, _SHARED_MASK),
 }
 
 

@@ -7,8 +7,11 @@
 // the backward's pattern: one CTA of 256 threads a query, the query's 2051 k-pool keys (512 random
 // 4-token pools among the complete ones, causal, plus the 3 tail tokens), a 512-wide row added per
 // key. It prints one markdown row per form: time, the accumulator's size, reductions issued, and
-// the ratio to v4.f32; then v4.f32 with part of the accumulator held in L2 (a persisting access
-// policy window), the most L2 residency of dKV could gain. Build and run on the GPU host:
+// the ratio to v4.f32; the kernel's own add pattern (64-column chunks, a warp instruction over 8
+// rows x 64 B) and the same chunks as 4 rows x 128 B and 2 rows x 256 B (issue #17: what an
+// exchange of values between lanes before the adds could gain at most); then v4.f32 with part
+// of the accumulator held in L2 (a persisting access policy window), the most L2 residency of
+// dKV could gain. Build and run on the GPU host:
 //
 //   nvcc -O3 -arch=sm_90a -o /tmp/red_probe bench/red_probe.cu && /tmp/red_probe [seq_len] [reps]
 #include <cstdio>
@@ -45,38 +48,46 @@ __device__ __forceinline__ int key_of(int q, int j, int mask) {
   return pos <= q ? (pos & mask) : -1;
 }
 
-enum Form { V4F32, V2F32, F32, U64_PACKED, U64_ONE, ST_V4, V4_TILE };
+enum Form { V4F32, V2F32, F32, U64_PACKED, U64_ONE, ST_V4, V4_TILE, V4_TILE4, V4_TILE2, NFORMS };
 const char *names[] = {"red.global.add.v4.f32 (default: 4 floats an op)",
                        "red.global.add.v2.f32 (2 floats an op)",
                        "red.global.add.f32 (1 float an op)",
                        "red.global.add.u64, two int32 lanes (design 1: 2 values an op)",
                        "red.global.add.u64, one int64 value (wip/0124: 1 value an op)",
                        "st.global.v4.b32 (plain stores, no reduction: bytes only)",
-                       "red.global.add.v4.f32 in the kernel's pattern (a warp: 8 rows x 64 B)"};
-const int values_per_op[] = {4, 2, 1, 2, 1, 4, 4};
-const int bytes_per_value[] = {4, 4, 4, 4, 8, 4, 4};
+                       "red.global.add.v4.f32 in the kernel's pattern (a warp: 8 rows x 64 B)",
+                       "red.global.add.v4.f32, the kernel's chunks as a warp: 4 rows x 128 B",
+                       "red.global.add.v4.f32, the kernel's chunks as a warp: 2 rows x 256 B"};
+const int values_per_op[] = {4, 2, 1, 2, 1, 4, 4, 4, 4};
+const int bytes_per_value[] = {4, 4, 4, 4, 8, 4, 4, 4, 4};
+// rows a warp instruction covers in the tile forms (the kernel's 64-column chunks, 16 rows a warp)
+__host__ __device__ constexpr int tile_rows(int f) { return f == V4_TILE ? 8 : f == V4_TILE4 ? 4 : 2; }
 
 template <int F>
 __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
   const int q = blockIdx.x, t = threadIdx.x;
-  if constexpr (F == V4_TILE) {
-    // as sparse_mla_bwd_ws64 adds a 64-key block's dKV chunk of 64 columns from a wgmma
-    // accumulator in line order: warp w of a warpgroup holds rows 16 w + lane / 4 and + 8, a
-    // lane 4 adjacent floats of each 16 columns; the two warpgroups take alternate chunks
+  if constexpr (F == V4_TILE || F == V4_TILE4 || F == V4_TILE2) {
+    // as sparse_mla_bwd_ws64 adds a 64-key block's dKV chunk of 64 columns: warp w of a
+    // warpgroup adds rows 16 w .. 16 w + 15, 8 instructions of 512 B; the two warpgroups take
+    // alternate chunks. V4_TILE is the kernel's own (a wgmma accumulator in line order: a lane
+    // holds rows lane / 4 and + 8, 4 adjacent floats of each 16 columns, so an instruction
+    // covers R = 8 rows x 64 B); V4_TILE4 / V4_TILE2 cover R = 4 / 2 rows x 512 / R bytes, what
+    // the same values would give after an exchange between lanes (not paid here).
+    constexpr int R = tile_rows(F), LANES_ROW = 32 / R, FLOATS_SEG = 4 * LANES_ROW;
+    constexpr int SEGS = 64 / FLOATS_SEG;  // segments of a 64-column chunk row
     const int wg = t / 128, w = t % 128 / 32, lane = t % 32;
     for (int b0 = 0; b0 < WIDTH; b0 += 64) {
 #pragma unroll 1
       for (int c = wg; c < D / 64; c += 2) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          int k = b0 + 16 * w + lane / 4 + 8 * half < WIDTH
-                      ? key_of(q, b0 + 16 * w + lane / 4 + 8 * half, mask)
-                      : -1;
+        for (int rg = 0; rg < 16 / R; ++rg) {
+          int j = b0 + 16 * w + rg * R + lane / LANES_ROW;
+          int k = j < WIDTH ? key_of(q, j, mask) : -1;
           if (k < 0) continue;
 #pragma unroll
-          for (int g = 0; g < 4; ++g) {
+          for (int g = 0; g < SEGS; ++g) {
             float v = 1.0f + (t & 7) * 0.125f;
-            float *p = (float *)acc + (size_t)k * D + c * 64 + g * 16 + lane % 4 * 4;
+            float *p = (float *)acc + (size_t)k * D + c * 64 + g * FLOATS_SEG + lane % LANES_ROW * 4;
             asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v),
                          "f"(v), "f"(v), "f"(v) : "memory");
           }
@@ -186,7 +197,7 @@ int main(int argc, char **argv) {
     int keys = fold ? 4096 : seq;
     int mask = fold ? 4095 : 0x7fffffff;
     float base = 0;
-    for (int f = 0; f < 7; ++f) {
+    for (int f = 0; f < NFORMS; ++f) {
       size_t bytes = (size_t)keys * D * bytes_per_value[f];
       float ms = 0;
       switch (f) {
@@ -197,6 +208,8 @@ int main(int argc, char **argv) {
         case U64_ONE: ms = run<U64_ONE>(acc, bytes, seq, mask, reps); break;
         case ST_V4: ms = run<ST_V4>(acc, bytes, seq, mask, reps); break;
         case V4_TILE: ms = run<V4_TILE>(acc, bytes, seq, mask, reps); break;
+        case V4_TILE4: ms = run<V4_TILE4>(acc, bytes, seq, mask, reps); break;
+        case V4_TILE2: ms = run<V4_TILE2>(acc, bytes, seq, mask, reps); break;
       }
       if (f == 0) base = ms;
       double ops = pairs * D / values_per_op[f];
