@@ -255,3 +255,7 @@ def test_wip_stack_applies_on_the_series(pristine, tmp_path):
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"wip/{name} does not apply on the series: {out}"
         assert "offset" not in out and "fuzz" not in out, f"wip/{name}: {out}"
+        # a DEP-3 header ended by a line of its own "---" before the first file's diff (the
+        # series' patches are held to it by series.py; a draft joins the series as it is)
+        head = (ROOT / "wip" / name).read_text().split("\n--- a/")[0].splitlines()
+        assert head[0].startswith("Description: ") and head[-1] == "---", f"wip/{name}: {head[-1]!r}"
