@@ -135,11 +135,17 @@ def provenance():
         info["tilelang"] = tilelang.__version__
     except ImportError:
         pass
-    rev = os.environ.get("BENCH_GIT_REV")  # the tree on a GPU host has no .git: the caller says
+    # BENCH_GIT_REV: the caller's revision. A lent GPU host's copy of the working tree can carry
+    # the .git of an older commit (the session's first), so HEAD there is not what ran: a tree
+    # that differs from its HEAD says so with "+modified".
+    rev = os.environ.get("BENCH_GIT_REV")
     if not rev:
         try:
             rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
                                  capture_output=True, text=True, check=True).stdout.strip()
+            same = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--",
+                                   "bench", "scripts", "tests", "wip"], capture_output=True)
+            rev += "" if same.returncode == 0 else "+modified"
         except (OSError, subprocess.CalledProcessError):
             rev = "unknown"
     info["git_rev"] = rev
