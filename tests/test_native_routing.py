@@ -739,38 +739,33 @@ def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
-@needs_tilelang
-@pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
-                    reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
-@pytest.mark.parametrize("heads", [32, 64])
-@pytest.mark.parametrize("on", [False, True])
-def test_native_fwd_ws64_shared_mask_switch(fakes, heads, on):
-    """wip/0131: NativeKernelOptions.fwd_ws64_shared_mask reaches 0112's builder (off, the
-    default: the series' call). The gradients through the hook are the reference's."""
-    topk, scale = 131, 512 ** -0.5
-    query, key, idx = _inputs(512, topk, heads, 256, 512)
-    with options(fwd_ws64=True, fwd_ws64_shared_mask=on):
-        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
-    assert [b["kind"] for b in fwd] == ["fwd_ws64"]
-    assert fwd[0].get("shared_mask", False) == on
-    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+# wip drafts' options for 0112's forward and 0113's backward: (NativeKernelOptions field, the
+# option turning the kernel on (the fixture turns it off), the build's kind, builder argument,
+# draft)
+_DRAFT_SWITCHES = [
+    ("fwd_ws64_shared_mask", "fwd_ws64", "fwd_ws64", "shared_mask", "wip/0131"),
+    ("bwd_ws64_async_dq", "bwd_ws64", "bwd_ws64", "async_dq", "wip/0132"),
+]
 
 
 @needs_tilelang
-@pytest.mark.skipif(not _has_option("bwd_ws64_async_dq"),
-                    reason="wip/0132 (NativeKernelOptions.bwd_ws64_async_dq) is not applied")
+@pytest.mark.parametrize("field,kernel_on,kind,arg", [
+    pytest.param(field, kernel_on, kind, arg, id=field, marks=pytest.mark.skipif(
+        not _has_option(field), reason=f"{draft} (NativeKernelOptions.{field}) is not applied"))
+    for field, kernel_on, kind, arg, draft in _DRAFT_SWITCHES])
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("on", [False, True])
-def test_native_bwd_ws64_async_dq_switch(fakes, heads, on):
-    """wip/0132: NativeKernelOptions.bwd_ws64_async_dq reaches 0113's builder (off, the
-    default: the series' call). The gradients through the hook are the reference's."""
+def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, arg):
+    """wip/0131 (fwd_ws64_shared_mask) and wip/0132 (bwd_ws64_async_dq): the option reaches
+    0112's / 0113's builder as its argument (off, the default: the series' call, without it),
+    the only build of its direction. The gradients through the hook are the reference's."""
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
-    with options(bwd_ws64=True, bwd_ws64_async_dq=on):
+    with options(**{kernel_on: True, field: on}):
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    bwd = [b for b in fakes.builds if b["kind"] == "bwd_ws64"]
-    assert len(bwd) == 1 and bwd[0].get("async_dq", False) == on
+    built = [b for b in fakes.builds if b["kind"].split("_")[0] == kind.split("_")[0]]
+    assert [b["kind"] for b in built] == [kind]
+    assert built[0].get(arg, False) == on
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 

@@ -254,10 +254,7 @@ def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, t
     do = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
     idx = torch.stack([causal_random_indices(sq, sq, topk, g) for _ in range(batch)]).to(DEV)
     idx[batch - 1, 7] = -1
-    with override_native_kernel_options(fwd_ws64_persistent=True, **phase_off()):
-        got = run_fused(q, k, idx, do)
-    with override_native_kernel_options(**phase_off()):
-        want = run_fused(q, k, idx, do)
+    got, want = with_and_without(q, k, idx, do, fwd_ws64_persistent=True)
     assert torch.equal(got[0], want[0]), "out differs from a CTA a query's"
     assert torch.equal(got[1], want[1]), "dq differs from a CTA a query's"
     for b in range(batch):
@@ -281,17 +278,11 @@ def test_native_fast_exp2_matches_fp32_reference(monkeypatch, heads, topk):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 23, 9,
                                            fast_exp2=True, **phase_off())
     q, k, do, idx = make(512, heads, 512, topk, seed=heads + topk)
-    with override_native_kernel_options(fast_exp2=True, **phase_off()):
-        on = run_fused(q, k, idx, do)
-    with override_native_kernel_options(**phase_off()):
-        off = run_fused(q, k, idx, do)
+    on, off = with_and_without(q, k, idx, do, fast_exp2=True)
     assert torch.equal(on[0], off[0]), "out differs from exp2f's"
     assert torch.equal(on[1], off[1]), "dq differs from exp2f's"
     q = (q.float() * 30).to(torch.bfloat16)  # scores spread over hundreds of nats
-    with override_native_kernel_options(fast_exp2=True, **phase_off()):
-        on = run_fused(q, k, idx, do)
-    with override_native_kernel_options(**phase_off()):
-        off = run_fused(q, k, idx, do)
+    on, off = with_and_without(q, k, idx, do, fast_exp2=True)
     ref = run_reference(q, k, idx, do)
     for name, a, b, r in zip(("out", "dq", "dk"), on, off, ref):
         assert torch.isfinite(a.float()).all(), f"q x 30: {name} has non-finite values"
@@ -342,6 +333,16 @@ def test_native_backward_async_dq_matches_fp32_reference(monkeypatch, heads, top
     with override_native_kernel_options(bwd_deterministic=True, bwd_ws64_async_dq=True, **layout):
         on = run_fused(q, k, idx, do)
     assert_bitwise(on, off, "changes with bwd_ws64_async_dq in the deterministic form")
+
+
+def with_and_without(q, k, idx, do, **options):
+    """Two fwd+bwd calls, with NativeKernelOptions `options` and without, 0121's timer phase off
+    in both (so that dq sums its blocks in one order)."""
+    with override_native_kernel_options(**options, **phase_off()):
+        on = run_fused(q, k, idx, do)
+    with override_native_kernel_options(**phase_off()):
+        off = run_fused(q, k, idx, do)
+    return on, off
 
 
 def assert_bitwise(got, want, what):
