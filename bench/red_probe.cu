@@ -9,7 +9,8 @@
 // key. It prints one markdown row per form: time, the accumulator's size, reductions issued, and
 // the ratio to v4.f32; the kernel's own add pattern (64-column chunks, a warp instruction over 8
 // rows x 64 B) and the same chunks as 4 rows x 128 B and 2 rows x 256 B (issue #17: what an
-// exchange of values between lanes before the adds could gain at most); then v4.f32 with part
+// exchange of values between lanes before the adds could gain at most), and the 4-row form with
+// that exchange paid in shuffles (what a kernel would get); then v4.f32 with part
 // of the accumulator held in L2 (a persisting access policy window), the most L2 residency of
 // dKV could gain. Build and run on the GPU host:
 //
@@ -48,7 +49,7 @@ __device__ __forceinline__ int key_of(int q, int j, int mask) {
   return pos <= q ? (pos & mask) : -1;
 }
 
-enum Form { V4F32, V2F32, F32, U64_PACKED, U64_ONE, ST_V4, V4_TILE, V4_TILE4, V4_TILE2, NFORMS };
+enum Form { V4F32, V2F32, F32, U64_PACKED, U64_ONE, ST_V4, V4_TILE, V4_TILE4, V4_TILE2, V4_TILE4X, NFORMS };
 const char *names[] = {"red.global.add.v4.f32 (default: 4 floats an op)",
                        "red.global.add.v2.f32 (2 floats an op)",
                        "red.global.add.f32 (1 float an op)",
@@ -57,9 +58,10 @@ const char *names[] = {"red.global.add.v4.f32 (default: 4 floats an op)",
                        "st.global.v4.b32 (plain stores, no reduction: bytes only)",
                        "red.global.add.v4.f32 in the kernel's pattern (a warp: 8 rows x 64 B)",
                        "red.global.add.v4.f32, the kernel's chunks as a warp: 4 rows x 128 B",
-                       "red.global.add.v4.f32, the kernel's chunks as a warp: 2 rows x 256 B"};
-const int values_per_op[] = {4, 2, 1, 2, 1, 4, 4, 4, 4};
-const int bytes_per_value[] = {4, 4, 4, 4, 8, 4, 4, 4, 4};
+                       "red.global.add.v4.f32, the kernel's chunks as a warp: 2 rows x 256 B",
+                       "red.global.add.v4.f32, 4 rows x 128 B after the exchange (4 SHFL a RED pair)"};
+const int values_per_op[] = {4, 2, 1, 2, 1, 4, 4, 4, 4, 4};
+const int bytes_per_value[] = {4, 4, 4, 4, 8, 4, 4, 4, 4, 4};
 // rows a warp instruction covers in the tile forms (the kernel's 64-column chunks, 16 rows a warp)
 __host__ __device__ constexpr int tile_rows(int f) { return f == V4_TILE ? 8 : f == V4_TILE4 ? 4 : 2; }
 
@@ -90,6 +92,53 @@ __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
             float *p = (float *)acc + (size_t)k * D + c * 64 + g * FLOATS_SEG + lane % LANES_ROW * 4;
             asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v),
                          "f"(v), "f"(v), "f"(v) : "memory");
+          }
+        }
+      }
+    }
+    return;
+  }
+  if constexpr (F == V4_TILE4X) {
+    // V4_TILE's registers (a lane: rows lane / 4 and + 8, 4 floats of each 16-column group),
+    // exchanged with the lane 4 quads away before the adds: for each half of the warp's rows
+    // and each pair of groups g, g + 1, quad q < 4 keeps row q's g and takes row q + 4's g,
+    // quad q + 4 keeps row q + 4's g + 1 and takes row q's g + 1; then one RED covers rows
+    // 0-3 and the next rows 4-7 of the half, 128 B each. The shuffles are paid here.
+    const int wg = t / 128, w = t % 128 / 32, lane = t % 32, quad = lane / 4;
+    const bool hi = quad >= 4;
+    for (int b0 = 0; b0 < WIDTH; b0 += 64) {
+#pragma unroll 1
+      for (int c = wg; c < D / 64; c += 2) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          int base = b0 + 16 * w + 8 * half;
+          int jq = base + (quad & 3), jq4 = jq + 4;  // the rows this lane adds: q and q + 4
+          int kq = jq < WIDTH ? key_of(q, jq, mask) : -1;
+          int kq4 = jq4 < WIDTH ? key_of(q, jq4, mask) : -1;
+#pragma unroll
+          for (int g = 0; g < 4; g += 2) {
+            float own[2][4], got[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              own[0][e] = 1.0f + (t & 7) * 0.125f + e + g;
+              own[1][e] = 2.0f + (t & 7) * 0.125f + e + g;
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              got[e] = __shfl_xor_sync(0xffffffffu, hi ? own[0][e] : own[1][e], 16);
+            // first RED: row q (quad q: own g; quad q + 4: received g + 1); second: row q + 4
+            const float *v1 = hi ? got : own[0], *v2 = hi ? own[1] : got;
+            int col = c * 64 + (g + hi) * 16 + lane % 4 * 4;
+            if (kq >= 0) {
+              float *p = (float *)acc + (size_t)kq * D + col;
+              asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v1[0]),
+                           "f"(v1[1]), "f"(v1[2]), "f"(v1[3]) : "memory");
+            }
+            if (kq4 >= 0) {
+              float *p = (float *)acc + (size_t)kq4 * D + col;
+              asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v2[0]),
+                           "f"(v2[1]), "f"(v2[2]), "f"(v2[3]) : "memory");
+            }
           }
         }
       }
@@ -210,6 +259,7 @@ int main(int argc, char **argv) {
         case V4_TILE: ms = run<V4_TILE>(acc, bytes, seq, mask, reps); break;
         case V4_TILE4: ms = run<V4_TILE4>(acc, bytes, seq, mask, reps); break;
         case V4_TILE2: ms = run<V4_TILE2>(acc, bytes, seq, mask, reps); break;
+        case V4_TILE4X: ms = run<V4_TILE4X>(acc, bytes, seq, mask, reps); break;
       }
       if (f == 0) base = ms;
       double ops = pairs * D / values_per_op[f];
