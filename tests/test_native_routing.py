@@ -192,9 +192,9 @@ class KernelFakes:
     def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
         # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), wip/0130's
-        # fast_exp2 and wip/0132's async_dq change no result
+        # fast_exp2, wip/0132's async_dq and wip/0133's row_pairs change no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
-                               "fast_exp2", "async_dq"}, levers
+                               "fast_exp2", "async_dq", "row_pairs"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
         self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks,
@@ -745,6 +745,7 @@ def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
 _DRAFT_SWITCHES = [
     ("fwd_ws64_shared_mask", "fwd_ws64", "fwd_ws64", "shared_mask", "wip/0131"),
     ("bwd_ws64_async_dq", "bwd_ws64", "bwd_ws64", "async_dq", "wip/0132"),
+    ("bwd_ws64_row_pairs", "bwd_ws64", "bwd_ws64", "row_pairs", "wip/0133"),
 ]
 
 
@@ -756,7 +757,8 @@ _DRAFT_SWITCHES = [
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("on", [False, True])
 def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, arg):
-    """wip/0131 (fwd_ws64_shared_mask) and wip/0132 (bwd_ws64_async_dq): the option reaches
+    """wip/0131 (fwd_ws64_shared_mask), wip/0132 (bwd_ws64_async_dq) and wip/0133
+    (bwd_ws64_row_pairs): the option reaches
     0112's / 0113's builder as its argument (off, the default: the series' call, without it),
     the only build of its direction. The gradients through the hook are the reference's."""
     topk, scale = 131, 512 ** -0.5

@@ -335,6 +335,25 @@ def test_native_backward_async_dq_matches_fp32_reference(monkeypatch, heads, top
     assert_bitwise(on, off, "changes with bwd_ws64_async_dq in the deterministic form")
 
 
+# wip/0133 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward adds each dKV
+# chunk by pairs of lanes 4 quads apart that trade half their values (a warp's add covers 4 rows x
+# 128 B). A lane adds its partner's row too, so -1 entries on either side of a pair matter: top-k
+# 65 (the last block mostly -1), rows with no valid index, indices in random order with their -1
+# entries among them (0121's timer phase off: it would sort them); one and two dKV stages, WG0
+# chunk splits 0, 2 and 3 (every add_chunk call site), against the FP32 reference.
+@pytest.mark.skipif(not _has_option("bwd_ws64_row_pairs"),
+                    reason="wip/0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("stages,wg0_chunks", [(1, 0), (2, 0), (2, 2), (2, 3)])
+def test_native_backward_row_pairs_matches_fp32_reference(monkeypatch, heads, topk, stages,
+                                                          wg0_chunks):
+    layout = dict(bwd_dkv_two_stages=stages == 2, bwd_wg0_dkv_chunks=wg0_chunks)
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 37, 6,
+                                           shuffle=True, bwd_ws64_row_pairs=True, **layout,
+                                           **phase_off())
+
+
 def with_and_without(q, k, idx, do, **options):
     """Two fwd+bwd calls, with NativeKernelOptions `options` and without, 0121's timer phase off
     in both (so that dq sums its blocks in one order)."""
