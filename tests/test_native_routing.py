@@ -772,6 +772,23 @@ def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, ar
 
 
 @needs_tilelang
+@pytest.mark.skipif(not _has_option("bwd_ws64_16_heads"),
+                    reason="wip/0134 (NativeKernelOptions.bwd_ws64_16_heads) is not applied")
+@pytest.mark.parametrize("heads,on,kind", [(16, False, "bwd"), (16, True, "bwd_ws64"),
+                                           (8, True, "bwd"), (32, True, "bwd_ws64")])
+def test_native_16_heads_backward_switch(fakes, heads, on, kind):
+    """wip/0134: bwd_ws64_16_heads sends 16 kernel heads to 0113's 64-row backward (off: the
+    head-block kernel); fewer heads keep the head-block kernel. The gradients through the hook
+    are the reference's."""
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(bwd_ws64=True, bwd_ws64_16_heads=on):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    assert [b["kind"] for b in fakes.builds if b["kind"].startswith("bwd")] == [kind]
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
 def test_native_512_small_head_count_pads_heads_only(fakes):
     query, key, idx = _inputs(512, 131, 8, 256, 512)
     _run_hook(fakes, query, key, idx, 0.05)

@@ -354,6 +354,21 @@ def test_native_backward_row_pairs_matches_fp32_reference(monkeypatch, heads, to
                                            **phase_off())
 
 
+# wip/0134 (issue #17), in runs that apply it with WIP_PATCHES: 16 kernel heads through the
+# 64-row backward (48 zero rows), with 0121's timer phase as the route runs it and with wip/0133's
+# row-pair adds where applied, against the FP32 reference.
+@pytest.mark.skipif(not _has_option("bwd_ws64_16_heads"),
+                    reason="wip/0134 (NativeKernelOptions.bwd_ws64_16_heads) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("pairs", [False, True])
+def test_native_backward_16_heads_ws64_matches_fp32_reference(monkeypatch, topk, pairs):
+    if pairs and not _has_option("bwd_ws64_row_pairs"):
+        pytest.skip("wip/0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not applied")
+    extra = {"bwd_ws64_row_pairs": True} if pairs else {}
+    native_backward_matches_fp32_reference(monkeypatch, 16, topk, topk + 41 + pairs, 9,
+                                           bwd_ws64_16_heads=True, **extra)
+
+
 def with_and_without(q, k, idx, do, **options):
     """Two fwd+bwd calls, with NativeKernelOptions `options` and without, 0121's timer phase off
     in both (so that dq sums its blocks in one order)."""
