@@ -92,6 +92,7 @@ FEATURES = {
     "0121": ("NativeKernelOptions.bwd_block_phase_ns", lambda: _has_option("bwd_block_phase_ns")),
     "0123": ("native kernels below 16 heads",
              lambda: HAVE_TILELANG and "pad_rows" in inspect.getsource(bwd_mod.bwd.func)),
+    "0133": ("NativeKernelOptions.bwd_ws64_row_pairs", lambda: _has_option("bwd_ws64_row_pairs")),
 }
 
 

@@ -192,7 +192,7 @@ class KernelFakes:
     def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
         # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), wip/0130's
-        # fast_exp2, wip/0132's async_dq and wip/0133's row_pairs change no result
+        # fast_exp2, wip/0132's async_dq and 0133's row_pairs change no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
                                "fast_exp2", "async_dq", "row_pairs"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
@@ -745,7 +745,6 @@ def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
 _DRAFT_SWITCHES = [
     ("fwd_ws64_shared_mask", "fwd_ws64", "fwd_ws64", "shared_mask", "wip/0131"),
     ("bwd_ws64_async_dq", "bwd_ws64", "bwd_ws64", "async_dq", "wip/0132"),
-    ("bwd_ws64_row_pairs", "bwd_ws64", "bwd_ws64", "row_pairs", "wip/0133"),
 ]
 
 
@@ -757,8 +756,7 @@ _DRAFT_SWITCHES = [
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("on", [False, True])
 def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, arg):
-    """wip/0131 (fwd_ws64_shared_mask), wip/0132 (bwd_ws64_async_dq) and wip/0133
-    (bwd_ws64_row_pairs): the option reaches
+    """wip/0131 (fwd_ws64_shared_mask) and wip/0132 (bwd_ws64_async_dq): the option reaches
     0112's / 0113's builder as its argument (off, the default: the series' call, without it),
     the only build of its direction. The gradients through the hook are the reference's."""
     topk, scale = 131, 512 ** -0.5
@@ -768,6 +766,30 @@ def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, ar
     built = [b for b in fakes.builds if b["kind"].split("_")[0] == kind.split("_")[0]]
     assert [b["kind"] for b in built] == [kind]
     assert built[0].get(arg, False) == on
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
+@pytest.mark.skipif(not has("0133"), reason="0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not in the series")
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("pairs,hoist,want", [(True, True, True), (False, True, False),
+                                              (True, False, False)])
+def test_native_64_row_backward_row_pairs(fakes, heads, pairs, hoist, want):
+    """0133: 0113's backward is built with row_pairs (the default) unless bwd_ws64_row_pairs is
+    off, or bwd_hoist_indices is (the pairs read the block's hoisted rows). The gradients through
+    the hook are the reference's."""
+    from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
+        NativeKernelOptions,
+    )
+
+    assert NativeKernelOptions().bwd_ws64_row_pairs, "0133's default"
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(bwd_ws64=True, bwd_ws64_row_pairs=pairs, bwd_hoist_indices=hoist):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
+    assert [b["kind"] for b in built] == ["bwd_ws64"]
+    assert built[0]["row_pairs"] is want
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 

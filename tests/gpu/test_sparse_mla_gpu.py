@@ -335,14 +335,13 @@ def test_native_backward_async_dq_matches_fp32_reference(monkeypatch, heads, top
     assert_bitwise(on, off, "changes with bwd_ws64_async_dq in the deterministic form")
 
 
-# wip/0133 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward adds each dKV
-# chunk by pairs of lanes 4 quads apart that trade half their values (a warp's add covers 4 rows x
-# 128 B). A lane adds its partner's row too, so -1 entries on either side of a pair matter: top-k
+# 0133 (issue #17): the 64-row backward adds each dKV chunk by pairs of lanes 4 quads apart that
+# trade half their values (a warp's add covers 4 rows x 128 B; the default, asked for here). A lane adds its partner's row too, so -1 entries on either side of a pair matter: top-k
 # 65 (the last block mostly -1), rows with no valid index, indices in random order with their -1
 # entries among them (0121's timer phase off: it would sort them); one and two dKV stages, WG0
 # chunk splits 0, 2 and 3 (every add_chunk call site), against the FP32 reference.
 @pytest.mark.skipif(not _has_option("bwd_ws64_row_pairs"),
-                    reason="wip/0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not applied")
+                    reason="0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not in the tree")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("stages,wg0_chunks", [(1, 0), (2, 0), (2, 2), (2, 3)])
@@ -355,16 +354,16 @@ def test_native_backward_row_pairs_matches_fp32_reference(monkeypatch, heads, to
 
 
 # wip/0134 (issue #17), in runs that apply it with WIP_PATCHES: 16 kernel heads through the
-# 64-row backward (48 zero rows), with 0121's timer phase as the route runs it and with wip/0133's
-# row-pair adds where applied, against the FP32 reference.
+# 64-row backward (48 zero rows), with 0121's timer phase as the route runs it, with and without
+# 0133's row-pair adds, against the FP32 reference.
 @pytest.mark.skipif(not _has_option("bwd_ws64_16_heads"),
                     reason="wip/0134 (NativeKernelOptions.bwd_ws64_16_heads) is not applied")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("pairs", [False, True])
 def test_native_backward_16_heads_ws64_matches_fp32_reference(monkeypatch, topk, pairs):
-    if pairs and not _has_option("bwd_ws64_row_pairs"):
-        pytest.skip("wip/0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not applied")
-    extra = {"bwd_ws64_row_pairs": True} if pairs else {}
+    extra = {"bwd_ws64_row_pairs": pairs} if _has_option("bwd_ws64_row_pairs") else {}
+    if pairs and not extra:
+        pytest.skip("0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not in the tree")
     native_backward_matches_fp32_reference(monkeypatch, 16, topk, topk + 41 + pairs, 9,
                                            bwd_ws64_16_heads=True, **extra)
 
