@@ -676,6 +676,37 @@ def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
 
 @needs_tilelang
 @needs_nvcc
+@needs("0133")
+def test_bwd_native_ws64_row_pairs_lane_layout(sm90):
+    """0133: every dKV add of the route's 64-row kernel goes through glm_add_row_pair (no 4-float
+    atomics left), once a lane for each 8 adjacent registers, and the `hi` argument (bi_i // 4 % 2
+    in the macro: the row's bit 2) is lane bit 4 in TileLang's layout, the lane the helper's
+    __shfl_xor_sync(..., 16) reaches. A layout where row r ^ 4 sat elsewhere would pair the wrong
+    lanes and corrupt dKV with no error. The barrier sequence is the kernel's without pairs."""
+    topk = _round_up(2051, BWD_BLOCK)
+    base = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
+                evict_first_loads=True)
+    phase_ns = 8000 if has("0121") else 0
+    if phase_ns:
+        base["block_phase_ns"] = phase_ns
+    # the same build as test_bwd_native_ws64_levers_keep_the_ordering's (one compile)
+    off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns}",
+                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base)
+    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs",
+                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base, row_pairs=True)
+    assert off.count("AtomicAddx4(") > 0 and "glm_add_row_pair" not in off
+    assert "AtomicAddx4(" not in on
+    calls = re.findall(r"glm_add_row_pair\(\(&\(dKV\[[^;]*\), 512, (rows(?:_0)?)\[\((i_\d+) >> 4\)\], "
+                       r"([^;]*?), \(&\((acc_lines(?:_0)?)\[(i_\d+)\]\)\)\);", on)
+    assert len(calls) == on.count("glm_add_row_pair(") - 1 >= 2  # - the helper's definition
+    for rows, i_row, hi, _, i_reg in calls:
+        assert hi == "((((int)threadIdx.x) & 31) >> 4)", hi
+        assert i_row == i_reg and f"if (({i_reg} % 8) == 0)" in on
+    assert _ORDERING.findall(on) == _ORDERING.findall(off)
+
+
+@needs_tilelang
+@needs_nvcc
 @pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
                     reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
 @pytest.mark.parametrize("heads", [32, 64])
