@@ -154,6 +154,8 @@ def test_plan_is_the_glm_set(glm_plan):
                     want = dict(want, hoist_indices=True, evict_first_loads=True)
                 if has("0121"):  # the timer phase
                     want = dict(want, block_phase_ns=8000)
+                if has("0133"):  # the row-pair adds
+                    want = dict(want, row_pairs=True)
                 assert c["kwargs"] == want
             elif c["kind"] == "fwd":
                 assert (a["heads"], a["dim"], a["topk"]) == (kernel_heads, 512, 2112)
