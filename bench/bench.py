@@ -42,8 +42,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_add_wg 512/2051  with wip/0116 applied: NativeKernelOptions(bwd_add_warpgroup=True) (a third
                 warpgroup adds dKV), 32k/32 and 64 heads; checked against the native route
   native_prev_bwd 512/2051  the backward without 0120's and 0121's defaults (no hoisted indices,
-                evict_first loads, block phase or index sort), 32 and 64 heads; checked against
-                the native route
+                evict_first loads, block phase or index sort; without hoisted indices 0133's row
+                pairs are off too), 32 and 64 heads; checked against the native route
   --ab NAME:FIELD=VALUE,...  512/2051  the native route with these NativeKernelOptions fields (an
                 A/B row named NAME, repeatable), every configuration with the native route;
                 checked against the native route
