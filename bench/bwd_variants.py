@@ -39,9 +39,10 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   native_ws64_s2_w2_hi (0120: each warpgroup loads a block's indices once, not per chunk),
   native_ws64_s2_w2_ef / _hi_ef (0120: Q, dO and the KV gather evict_first in L2) and _ph<t> /
   _hi_ef_ph<t> (0121: a CTA's first key block from the global timer, --block-phase-ns;
-  --unsorted shuffles each query's indices);
+  --unsorted shuffles each query's indices) and _hi_ef_ph<t>_rp (0133: the dKV adds by lane
+  pairs, the route's kernel since .25);
   with wip/0124 also at 16 heads (the ws64 kernel as 64 rows)
-  native_ws64_s2_w2_hi_ef and _hi_ef_ph<t>;
+  native_ws64_s2_w2_hi_ef, _hi_ef_ph<t> and _hi_ef_ph<t>_rp;
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
   dKV at the scale _fixed_point_scale picks on the device, built with the run-time softmax scale
   as the wrapper builds it; fixed_shift: that scale's log2, bitwise_repeat over 3 calls)
@@ -127,6 +128,9 @@ def chunk_variants(heads):
                 v[f"native_ws64_s2_w2_ph{t}"] = dict(v["native_ws64_s2_w2"], block_phase_ns=t)
                 v[f"native_ws64_s2_w2_hi_ef_ph{t}"] = dict(v["native_ws64_s2_w2_hi_ef"],
                                                            block_phase_ns=t)
+                if "row_pairs" in ws64:  # 0133: the dKV adds by lane pairs (the route's kernel)
+                    v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp"] = dict(
+                        v[f"native_ws64_s2_w2_hi_ef_ph{t}"], row_pairs=True)
         if "l2_hint" in ws64:  # wip/0119-l2-hints: L2 eviction hints on 0115's default kernel
             for tag, mode in L2_HINTS.items():
                 v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)
@@ -150,6 +154,9 @@ def chunk_variants(heads):
                 v["native_ws64_s2_w2_hi_ef"] = hi_ef
                 for t in VARIANT_SETS.get("block_phase_ns") or (8000,):
                     v[f"native_ws64_s2_w2_hi_ef_ph{t}"] = dict(hi_ef, block_phase_ns=t)
+                    if "row_pairs" in ws64:  # 0133's pairs too (what wip/0134 routes)
+                        v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp"] = dict(
+                            hi_ef, block_phase_ns=t, row_pairs=True)
         v["native_ws64_fixed"] = dict(s2w2, dkv_fixed=True)
     return v
 
