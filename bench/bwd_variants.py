@@ -27,10 +27,10 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   into a line-ordered accumulator, the default since 0106); with WIP_PATCHES=wip/0113 at 64
   heads native_ws64 (warpgroup roles: WG0 scores, P, dS and half of dQ; WG1 the other half and dKV)
   and native_ws64_s2 (0114: two dKV accumulator stages); with 0115 native_ws64_s2_w1/w2/w3 (WG0
-  computes and adds the first 1/2/3 dKV chunks of each block); with WIP_PATCHES=wip/0091 the
-  default kernel's timing probes (native_ws64_s2_w2_<probe> from 0115, native_ws64_s2_<probe>
-  before): _no_atomic / _no_gather / _no_dkv (no dKV GEMMs and adds) / _no_sdp (WG0 without the S
-  and dP GEMMs) / _adds_only (no gather and no GEMM); with WIP_PATCHES=wip/0116 native_ws64_addwg
+  computes and adds the first 1/2/3 dKV chunks of each block); with wip/0135 (in wip/STACK) the
+  route's kernel's timing probes (native_ws64_s2_w2_hi_ef_ph8000_rp_<probe>): _no_atomic /
+  _no_gather / _no_dkv (no dKV GEMMs and adds) / _no_sdp (WG0 without the S and dP GEMMs);
+  with WIP_PATCHES=wip/0116 native_ws64_addwg
   (a third warpgroup adds dKV from a shared-memory chunk stage); with WIP_PATCHES=wip/0118
   native_ws64_tma / native_ws64_s2_tma (WG1's dKV chunks added by the TMA unit from a shared stage,
   cp.reduce.async.bulk, one 256-byte row a thread; one and two accumulator stages); with
@@ -136,10 +136,10 @@ def chunk_variants(heads):
                 v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)
         if hasattr(bwd_mod, "sparse_mla_bwd_ws64_add_wg"):  # wip/0116: an add warpgroup
             v["native_ws64_addwg"] = dict(base, add_wg=True)
-        if "probe" in ws64:  # wip/0091: timing probes of the two-stage kernel (wrong results)
-            # on 0115's default (w2) where the builder has it, else on 0114's kernel
-            pbase = "native_ws64_s2_w2" if "native_ws64_s2_w2" in v else "native_ws64_s2"
-            for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp", "adds_only"):
+        if "probe" in ws64:  # wip/0135: timing probes of the route's kernel (wrong results)
+            pbase = next(n for n in ("native_ws64_s2_w2_hi_ef_ph8000_rp", "native_ws64_s2_w2",
+                                     "native_ws64_s2") if n in v)
+            for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp"):
                 v[f"{pbase}_{probe}"] = dict(v[pbase], probe=probe)
     if heads in (16, 32, 64) and "dkv_fixed" in ws64:
         # wip/0124 (issue #21): int64 fixed-point dKV adds (column order), the wrapper's stages 2
