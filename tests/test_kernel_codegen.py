@@ -674,6 +674,30 @@ def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
     assert on.count("AtomicAddx4(") == off.count("AtomicAddx4(")
 
 
+@needs("0133")
+def test_row_pair_columns_land_where_line_order_puts_them():
+    """0133's register order (_pair_column) and glm_add_row_pair's addressing against 0106's line
+    order (_line_column), column by column of a 64-column chunk: the lane whose MMA column pairs
+    are 2q, 2q + 1 (q = lane % 4) holds, at pair positions 32 gp + 8 q .. + 7, its 4 columns of
+    group 2 gp then its 4 of group 2 gp + 1, each in line order; the helper adds v[0..3] at line
+    columns col0 .. col0 + 3 and v[4..7] at col0 + 16 .. col0 + 19, col0 = 32 gp + 4 q (the
+    address add_chunk_pairs passes); every column once."""
+    pair, line = bwd_mod._pair_column, bwd_mod._line_column
+    assert sorted(pair(d) for d in range(64)) == list(range(64))
+    for gp in range(2):
+        for q in range(4):
+            lane_cols = [d for d in range(64) if d // 32 == gp and (d % 8) // 2 == q]
+            by_position = sorted(lane_cols, key=pair)
+            first = 32 * gp + 8 * q
+            assert [pair(d) for d in by_position] == list(range(first, first + 8))
+            col0 = 32 * gp + 4 * q
+            assert [line(d) for d in by_position] == (
+                [col0 + k for k in range(4)] + [col0 + 16 + k for k in range(4)])
+            # add_chunk_pairs's column for d_i = 32 gp + 8 q: d_i // 32 * 32 + d_i % 32 // 8 * 4
+            d_i = 32 * gp + 8 * q
+            assert d_i // 32 * 32 + d_i % 32 // 8 * 4 == col0
+
+
 @needs_tilelang
 @needs_nvcc
 @needs("0133")
