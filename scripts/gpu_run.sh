@@ -35,12 +35,22 @@ extra=$(ls .whl/*.whl 2>/dev/null || true)
 "$py" -m pip install --quiet --no-deps --no-index --disable-pip-version-check --target "$site" "$whl" $extra || exit 1
 touch "$site/.gpu_run-installed"
 # WIP_PATCHES: patches from wip/ applied to the installed tree (kernel drafts not in the series)
-# with the series' own patch options (scripts/series.py: fuzz 0, no backup or reject files)
-if [ -n "${WIP_PATCHES:-}" ]; then
+# with the series' own patch options (scripts/series.py: fuzz 0, no backup or reject files).
+# Each is a path, a file name in wip/, or "stack" (wip/STACK's drafts in order); all are found
+# before any is applied.
+wip=()
+for p in ${WIP_PATCHES:-}; do
+  if [ "$p" = stack ]; then
+    mapfile -t -O ${#wip[@]} wip < <(grep -v '^#' wip/STACK | grep . | sed 's|^|wip/|')
+  elif [ -f "$p" ]; then wip+=("$p")
+  elif [ -f "wip/$p" ]; then wip+=("wip/$p")
+  else echo "error: WIP_PATCHES: no patch $p (a path, or a file in wip/)" >&2; exit 1; fi
+done
+if [ ${#wip[@]} -gt 0 ]; then
   mapfile -t pargs < <(python3 scripts/series.py patch-args)
   [ ${#pargs[@]} -gt 0 ] || { echo "error: scripts/series.py patch-args printed nothing" >&2; exit 1; }
 fi
-for p in ${WIP_PATCHES:-}; do
+for p in "${wip[@]}"; do
   patch -d "$site" "${pargs[@]}" -N -i "$PWD/$p" >/dev/null || { echo "error: $p does not apply (fuzz 0)" >&2; exit 1; }
 done
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FROM_INSTALLED=1 PYTHONUNBUFFERED=1

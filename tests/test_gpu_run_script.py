@@ -155,6 +155,44 @@ def test_wip_patches_apply_with_the_series_options(tmp_path, site_text, ok):
         assert text == site_text and not list((tmp_path / "site").glob("*.orig"))
 
 
+def test_wip_patches_are_all_found_before_any_applies(tmp_path):
+    """A WIP_PATCHES entry that names no file (a path, or a file in wip/) stops the run before the
+    entries ahead of it are applied: the tree is not left half-patched."""
+    (tmp_path / "site").mkdir()
+    site_text = "a = 1\nb = 2\nc = 3\nd = 5\ne = 6\n"
+    (tmp_path / "site" / "m.py").write_text(site_text)
+    wip = tmp_path / "d.patch"
+    wip.write_text(WIP)
+    (tmp_path / "python").write_text(FAKE_PY)
+    (tmp_path / "python").chmod(0o755)
+    (tmp_path / "fake.whl").write_text("")
+    env = dict(os.environ, PYTHON=str(tmp_path / "python"), INSTALL_SITE=str(tmp_path / "site"),
+               TEST_WHEEL=str(tmp_path / "fake.whl"),
+               WIP_PATCHES=f"{os.path.relpath(wip, ROOT)} 9999-no-such-draft.patch")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "tests", str(tmp_path / "out")],
+                          env=env, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "no patch 9999-no-such-draft.patch" in proc.stderr
+    assert (tmp_path / "site" / "m.py").read_text() == site_text
+
+
+@pytest.mark.parametrize("given", ["stack", "bare"])
+def test_wip_patches_take_stack_and_bare_names(tmp_path, given):
+    """WIP_PATCHES=stack means wip/STACK's drafts in order, and a bare name a file in wip/: on a
+    fake site the first of them is the one that fails to apply, named by its wip/ path."""
+    first = next(line for line in (ROOT / "wip" / "STACK").read_text().splitlines()
+                 if line and not line.startswith("#"))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "python").write_text(FAKE_PY)
+    (tmp_path / "python").chmod(0o755)
+    (tmp_path / "fake.whl").write_text("")
+    env = dict(os.environ, PYTHON=str(tmp_path / "python"), INSTALL_SITE=str(tmp_path / "site"),
+               TEST_WHEEL=str(tmp_path / "fake.whl"),
+               WIP_PATCHES="stack" if given == "stack" else first)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "tests", str(tmp_path / "out")],
+                          env=env, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and f"error: wip/{first} does not apply" in proc.stderr
+
+
 def test_a_site_it_installed_is_installed_afresh_and_no_other(tmp_path):
     """A warm machine's second call: pip --target would keep the patched files of the first, and
     WIP_PATCHES would meet a patched tree. A folder the script did not install is left alone."""
