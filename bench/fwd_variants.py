@@ -15,7 +15,8 @@ ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_asy
 waits, with WIP_PATCHES=wip/0117-fwd-ws64-async-gemms.patch; ws64_persist: one CTA an SM
 walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp: exp2 as one
 ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; _smask: -1 entries masked after the score
-GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; ws64_l2*: L2 eviction
+GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _wide: the output stored
+16 bytes a lane, with wip/0136-fwd-ws64-wide-store.patch; ws64_l2*: L2 eviction
 and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
@@ -67,6 +68,9 @@ VARIANTS = {
     # two of the three (which of them the combination needs)
     "ws64_fexp_smask": (False, {}),
     "ws64_persist_smask": (False, {}),
+    # wip/0136 (NativeKernelOptions.fwd_ws64_wide_store): the output 16 bytes a lane
+    "ws64_wide": (False, {}),
+    "ws64_persist_fexp_smask_wide": (False, {}),
     # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
     "ws64_l2kl": (False, {}),
     "ws64_l2klpf": (False, {}),
@@ -84,6 +88,7 @@ THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads on
 _PERSIST = ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch")
 _FAST_EXP2 = ("fast_exp2", "wip/0130-native-fast-exp2.patch")
 _SHARED_MASK = ("fwd_ws64_shared_mask", "wip/0131-fwd-ws64-shared-mask.patch")
+_WIDE_STORE = ("fwd_ws64_wide_store", "wip/0136-fwd-ws64-wide-store.patch")
 WIP_OPTIONS = {
     "ws64_async": (("fwd_ws64_async_gemms", "wip/0117-fwd-ws64-async-gemms.patch"),),
     "ws64_persist": (_PERSIST,),
@@ -94,6 +99,8 @@ WIP_OPTIONS = {
     "ws64_persist_fexp_smask": (_PERSIST, _FAST_EXP2, _SHARED_MASK),
     "ws64_fexp_smask": (_FAST_EXP2, _SHARED_MASK),
     "ws64_persist_smask": (_PERSIST, _SHARED_MASK),
+    "ws64_wide": (_WIDE_STORE,),
+    "ws64_persist_fexp_smask_wide": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _WIDE_STORE),
 }
 
 

@@ -150,8 +150,9 @@ class KernelFakes:
     def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False, ctas=0,
                      **drafts):
         # ctas: wip/0129's persistent form (the series' wrapper does not pass it); drafts:
-        # wip/0130's fast_exp2 and wip/0131's shared_mask (passed only when on)
-        assert set(drafts) <= {"fast_exp2", "shared_mask"}, drafts
+        # wip/0130's fast_exp2, wip/0131's shared_mask and wip/0136's wide_store (passed only
+        # when on)
+        assert set(drafts) <= {"fast_exp2", "shared_mask", "wide_store"}, drafts
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
         self.builds[-1].update(kind="fwd_ws64", ctas=ctas, **drafts)
@@ -744,6 +745,7 @@ def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
 # draft)
 _DRAFT_SWITCHES = [
     ("fwd_ws64_shared_mask", "fwd_ws64", "fwd_ws64", "shared_mask", "wip/0131"),
+    ("fwd_ws64_wide_store", "fwd_ws64", "fwd_ws64", "wide_store", "wip/0136"),
     ("bwd_ws64_async_dq", "bwd_ws64", "bwd_ws64", "async_dq", "wip/0132"),
 ]
 
@@ -756,7 +758,8 @@ _DRAFT_SWITCHES = [
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("on", [False, True])
 def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, arg):
-    """wip/0131 (fwd_ws64_shared_mask) and wip/0132 (bwd_ws64_async_dq): the option reaches
+    """wip/0131 (fwd_ws64_shared_mask), wip/0132 (bwd_ws64_async_dq) and wip/0136
+    (fwd_ws64_wide_store): the option reaches
     0112's / 0113's builder as its argument (off, the default: the series' call, without it),
     the only build of its direction. The gradients through the hook are the reference's."""
     topk, scale = 131, 512 ** -0.5

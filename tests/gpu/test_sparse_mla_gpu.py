@@ -313,6 +313,28 @@ def test_native_fwd_ws64_shared_mask_matches_fp32_reference(monkeypatch, heads, 
         assert torch.equal(got[1], want[1]), f"dq differs from the default's ({form})"
 
 
+# wip/0136 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward stores its
+# output 16 bytes a lane after a transpose within each row quad. The same bf16 rounding, so out
+# (and LSE, dq) equal the default's bit for bit: 32 heads (rows past 32 not stored: a lane's
+# second row is the predicate's), 64 heads, top-k 65 and 2051, rows with no valid index, a CTA
+# a query and persistent (wip/0129, where applied).
+@pytest.mark.skipif(not _has_option("fwd_ws64_wide_store"),
+                    reason="wip/0136 (NativeKernelOptions.fwd_ws64_wide_store) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_native_fwd_ws64_wide_store_is_the_default_bitwise(monkeypatch, heads, topk):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    q, k, do, idx = make(300, heads, 512, topk, seed=heads + topk + 3, empty_rows=(7, 299))
+    with override_native_kernel_options(**phase_off()):
+        want = run_fused(q, k, idx, do)
+    forms = [{}] + ([{"fwd_ws64_persistent": True}] if _has_option("fwd_ws64_persistent") else [])
+    for form in forms:
+        with override_native_kernel_options(fwd_ws64_wide_store=True, **form, **phase_off()):
+            got = run_fused(q, k, idx, do)
+        assert torch.equal(got[0], want[0]), f"out differs from the default's ({form})"
+        assert torch.equal(got[1], want[1]), f"dq differs from the default's ({form})"
+
+
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
 # its dQ GEMM under the block's first dKV GEMMs and frees the KV buffer after it, with no proxy
 # fence of its own. Each WG0 chunk split (0, 2 and 3: 3 gives WG1 an odd first chunk, done on its
