@@ -62,6 +62,11 @@ const char *names[] = {"red.global.add.v4.f32 (default: 4 floats an op)",
                        "red.global.add.v4.f32, 4 rows x 128 B after the exchange (4 SHFL a RED pair)"};
 const int values_per_op[] = {4, 2, 1, 2, 1, 4, 4, 4, 4, 4};
 const int bytes_per_value[] = {4, 4, 4, 4, 8, 4, 4, 4, 4, 4};
+__device__ __forceinline__ void red_v4(float *p, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
+               "f"(d) : "memory");
+}
+
 // rows a warp instruction covers in the tile forms (the kernel's 64-column chunks, 16 rows a warp)
 __host__ __device__ constexpr int tile_rows(int f) { return f == V4_TILE ? 8 : f == V4_TILE4 ? 4 : 2; }
 
@@ -90,8 +95,7 @@ __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
           for (int g = 0; g < SEGS; ++g) {
             float v = 1.0f + (t & 7) * 0.125f;
             float *p = (float *)acc + (size_t)k * D + c * 64 + g * FLOATS_SEG + lane % LANES_ROW * 4;
-            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v),
-                         "f"(v), "f"(v), "f"(v) : "memory");
+            red_v4(p, v, v, v, v);
           }
         }
       }
@@ -131,13 +135,11 @@ __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
             int col = c * 64 + (g + hi) * 16 + lane % 4 * 4;
             if (kq >= 0) {
               float *p = (float *)acc + (size_t)kq * D + col;
-              asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v1[0]),
-                           "f"(v1[1]), "f"(v1[2]), "f"(v1[3]) : "memory");
+              red_v4(p, v1[0], v1[1], v1[2], v1[3]);
             }
             if (kq4 >= 0) {
               float *p = (float *)acc + (size_t)kq4 * D + col;
-              asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v2[0]),
-                           "f"(v2[1]), "f"(v2[2]), "f"(v2[3]) : "memory");
+              red_v4(p, v2[0], v2[1], v2[2], v2[3]);
             }
           }
         }
@@ -163,8 +165,7 @@ __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
       float v = 1.0f + (t & 7) * 0.125f;
       if constexpr (F == V4F32) {
         float *p = (float *)acc + (size_t)k * D + op * 4;
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v), "f"(v),
-                     "f"(v), "f"(v) : "memory");
+        red_v4(p, v, v, v, v);
       } else if constexpr (F == V2F32) {
         float *p = (float *)acc + (size_t)k * D + op * 2;
         asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v), "f"(v) : "memory");

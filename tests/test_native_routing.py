@@ -759,9 +759,9 @@ _DRAFT_SWITCHES = [
 @pytest.mark.parametrize("on", [False, True])
 def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, arg):
     """wip/0131 (fwd_ws64_shared_mask), wip/0132 (bwd_ws64_async_dq) and wip/0136
-    (fwd_ws64_wide_store): the option reaches
-    0112's / 0113's builder as its argument (off, the default: the series' call, without it),
-    the only build of its direction. The gradients through the hook are the reference's."""
+    (fwd_ws64_wide_store): the option reaches 0112's / 0113's builder as its argument (off, the
+    default: the series' call, without it), the only build of its direction. The gradients
+    through the hook are the reference's."""
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     with options(**{kernel_on: True, field: on}):
@@ -773,7 +773,8 @@ def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, ar
 
 
 @needs_tilelang
-@pytest.mark.skipif(not has("0133"), reason="0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not in the series")
+@pytest.mark.skipif(not has("0133"),
+                    reason="0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not in the series")
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("pairs,hoist,want", [(True, True, True), (False, True, False),
                                               (True, False, False)])

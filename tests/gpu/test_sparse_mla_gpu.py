@@ -302,12 +302,19 @@ def test_native_fast_exp2_matches_fp32_reference(monkeypatch, heads, topk):
 def test_native_fwd_ws64_shared_mask_matches_fp32_reference(monkeypatch, heads, topk):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 29, 11,
                                            fwd_ws64_shared_mask=True, **phase_off())
-    q, k, do, idx = make(300, heads, 512, topk, seed=heads + topk, empty_rows=(5, 299))
+    forward_option_is_the_default_bitwise(heads, topk, heads + topk, 5, fwd_ws64_shared_mask=True)
+
+
+def forward_option_is_the_default_bitwise(heads, topk, seed, empty_row, **option):
+    """300 queries (rows empty_row and 299 without a valid index): with NativeKernelOptions
+    `option` out and dq equal the default's bit for bit, a CTA a query and persistent (wip/0129,
+    where applied); 0121's timer phase off in every call."""
+    q, k, do, idx = make(300, heads, 512, topk, seed=seed, empty_rows=(empty_row, 299))
     with override_native_kernel_options(**phase_off()):
         want = run_fused(q, k, idx, do)
     forms = [{}] + ([{"fwd_ws64_persistent": True}] if _has_option("fwd_ws64_persistent") else [])
     for form in forms:
-        with override_native_kernel_options(fwd_ws64_shared_mask=True, **form, **phase_off()):
+        with override_native_kernel_options(**option, **form, **phase_off()):
             got = run_fused(q, k, idx, do)
         assert torch.equal(got[0], want[0]), f"out differs from the default's ({form})"
         assert torch.equal(got[1], want[1]), f"dq differs from the default's ({form})"
@@ -315,7 +322,7 @@ def test_native_fwd_ws64_shared_mask_matches_fp32_reference(monkeypatch, heads, 
 
 # wip/0136 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward stores its
 # output 16 bytes a lane after a transpose within each row quad. The same bf16 rounding, so out
-# (and LSE, dq) equal the default's bit for bit: 32 heads (rows past 32 not stored: a lane's
+# and dq equal the default's bit for bit: 32 heads (rows past 32 not stored: a lane's
 # second row is the predicate's), 64 heads, top-k 65 and 2051, rows with no valid index, a CTA
 # a query and persistent (wip/0129, where applied).
 @pytest.mark.skipif(not _has_option("fwd_ws64_wide_store"),
@@ -324,15 +331,8 @@ def test_native_fwd_ws64_shared_mask_matches_fp32_reference(monkeypatch, heads, 
 @pytest.mark.parametrize("heads", [32, 64])
 def test_native_fwd_ws64_wide_store_is_the_default_bitwise(monkeypatch, heads, topk):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
-    q, k, do, idx = make(300, heads, 512, topk, seed=heads + topk + 3, empty_rows=(7, 299))
-    with override_native_kernel_options(**phase_off()):
-        want = run_fused(q, k, idx, do)
-    forms = [{}] + ([{"fwd_ws64_persistent": True}] if _has_option("fwd_ws64_persistent") else [])
-    for form in forms:
-        with override_native_kernel_options(fwd_ws64_wide_store=True, **form, **phase_off()):
-            got = run_fused(q, k, idx, do)
-        assert torch.equal(got[0], want[0]), f"out differs from the default's ({form})"
-        assert torch.equal(got[1], want[1]), f"dq differs from the default's ({form})"
+    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7,
+                                          fwd_ws64_wide_store=True)
 
 
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
@@ -358,10 +358,11 @@ def test_native_backward_async_dq_matches_fp32_reference(monkeypatch, heads, top
 
 
 # 0133 (issue #17): the 64-row backward adds each dKV chunk by pairs of lanes 4 quads apart that
-# trade half their values (a warp's add covers 4 rows x 128 B; the default, asked for here). A lane adds its partner's row too, so -1 entries on either side of a pair matter: top-k
-# 65 (the last block mostly -1), rows with no valid index, indices in random order with their -1
-# entries among them (0121's timer phase off: it would sort them); one and two dKV stages, WG0
-# chunk splits 0, 2 and 3 (every add_chunk call site), against the FP32 reference.
+# trade half their values (a warp's add covers 4 rows x 128 B; the default, asked for here). A
+# lane adds its partner's row too, so -1 entries on either side of a pair matter: top-k 65 (the
+# last block mostly -1), rows with no valid index, indices in random order with their -1 entries
+# among them (0121's timer phase off: it would sort them); one and two dKV stages, WG0 chunk
+# splits 0, 2 and 3 (every add_chunk call site), against the FP32 reference.
 @pytest.mark.skipif(not _has_option("bwd_ws64_row_pairs"),
                     reason="0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not in the tree")
 @pytest.mark.parametrize("topk", [65, 2051])
