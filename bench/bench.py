@@ -44,6 +44,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_prev_bwd 512/2051  the backward without 0120's and 0121's defaults (no hoisted indices,
                 evict_first loads, block phase or index sort; without hoisted indices 0133's row
                 pairs are off too), 32 and 64 heads; checked against the native route
+  native_head_block_bwd 512/2051  the same with NativeKernelOptions(bwd_ws64_16_heads=False)
+                (without 0134: the head-block backward at 16 heads), 16 heads at every length;
+                checked against the native route
   --ab NAME:FIELD=VALUE,...  512/2051  the native route with these NativeKernelOptions fields (an
                 A/B row named NAME, repeatable), every configuration with the native route;
                 checked against the native route
@@ -572,6 +575,11 @@ def run(args):
                 add("native_wg1_dkv", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_wg0_dkv_chunks=0), ref=native_results()))
+            if heads == 16 and has_native_option("bwd_ws64_16_heads"):
+                # A/B of patch 0134 (16 heads on 0113's 64-row backward), every length
+                add("native_head_block_bwd", 512, 2051, fwd_bwd(
+                    hook_fn(heads, "native"), q512, k512, idx,
+                    options=dict(bwd_ws64_16_heads=False), ref=native_results()))
             if heads in (32, 64) and L == 32768 and has_native_option("bwd_add_warpgroup"):
                 # wip/0116 (a draft): the backward with an add warpgroup
                 add("native_add_wg", 512, 2051, fwd_bwd(

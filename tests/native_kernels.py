@@ -93,6 +93,7 @@ FEATURES = {
     "0123": ("native kernels below 16 heads",
              lambda: HAVE_TILELANG and "pad_rows" in inspect.getsource(bwd_mod.bwd.func)),
     "0133": ("NativeKernelOptions.bwd_ws64_row_pairs", lambda: _has_option("bwd_ws64_row_pairs")),
+    "0134": ("NativeKernelOptions.bwd_ws64_16_heads", lambda: _has_option("bwd_ws64_16_heads")),
 }
 
 

@@ -134,7 +134,9 @@ def test_plan_is_the_glm_set(glm_plan):
         ws64 = rows64 and has("0112")
         ws = route == "native" and has("0070") and heads in (8, 16, 32) and not ws64
         fwd_kind = "fwd_ws64" if ws64 else "fwd_ws" if ws else "fwd"
-        bwd_kind = "bwd_ws64" if rows64 and has("0113") else "bwd"
+        # 0134: the native route's 16 heads take the 64-row backward too (the forward stays 0070's)
+        bwd_rows64 = rows64 or (route == "native" and heads == 16 and has("0134"))
+        bwd_kind = "bwd_ws64" if bwd_rows64 and has("0113") else "bwd"
         assert kinds == sorted([bwd_kind, "post", "pre", fwd_kind]), (route, heads)
         kernel_heads = max(heads, 16)
         # 0123: the native kernels are built for the caller's heads (16-row tiles below 16)

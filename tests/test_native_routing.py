@@ -629,7 +629,7 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
 def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, fwd_on, bwd_on):
     """0112/0113 (both on by default): at 32 and 64 kernel heads the native forward is the
     64-row warp-specialized kernel (built for top-k rounded to two 64-index blocks) and the
-    backward the kernel with warpgroup roles (dKV in line order, so the line-order
+    backward (0134: at 16 too) the kernel with warpgroup roles (dKV in line order, so the line-order
     postprocess); each on its own with NativeKernelOptions fwd_ws64 / bwd_ws64, the other head
     counts untouched. Both take the caller's q, kv and indices, and the gradients through the
     hook are the reference's. Upstream's MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H, and 0050's
@@ -641,7 +641,8 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     rows64 = kernel_heads in (32, 64)
     native_heads = heads if has("0123") else kernel_heads  # 0123: 8 heads on 16-row tiles
-    bwd_rows64 = native_heads in (32, 64)
+    # 0134: 16 kernel heads take the 64-row backward too
+    bwd_rows64 = native_heads in ((16, 32, 64) if has("0134") else (32, 64))
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
     bwd = [b for b in fakes.builds if b["kind"].startswith("bwd")]
     post = [b for b in fakes.builds if b["kind"] == "post"]
@@ -720,9 +721,9 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
 @pytest.mark.parametrize("fast", [False, True])
 def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
     """wip/0130: NativeKernelOptions.fast_exp2 reaches the warp-specialized forward's builder
-    and, at 32/64 heads, the 64-row backward's (the 16-head backward is the head-block kernel,
-    which keeps exp2f); off (the default), their calls are the series' own, without the
-    argument. The gradients through the hook are the reference's either way."""
+    and the 64-row backward's (at 16 heads too since 0134; the head-block kernel, which 16 heads
+    take without 0134, keeps exp2f); off (the default), their calls are the series' own, without
+    the argument. The gradients through the hook are the reference's either way."""
     _seven_sm_device(monkeypatch)  # 0070's persistent forward asks for the SM count
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
@@ -731,11 +732,12 @@ def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     built = {b["kind"]: b for b in fakes.builds}
     fwd_kind = "fwd_ws" if heads == 16 else "fwd_ws64"
-    kinds = (fwd_kind, "bwd_ws64") if heads > 16 else (fwd_kind,)
+    ws64_16 = has("0134")  # 0134: 16 heads on the 64-row backward
+    kinds = (fwd_kind, "bwd_ws64") if heads > 16 or ws64_16 else (fwd_kind,)
     for kind in kinds:
         assert kind in built, sorted(built)
         assert built[kind].get("fast_exp2", False) == fast, (kind, built[kind])
-    if heads == 16:
+    if heads == 16 and not ws64_16:
         assert "fast_exp2" not in built["bwd"]
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
@@ -799,18 +801,29 @@ def test_native_64_row_backward_row_pairs(fakes, heads, pairs, hoist, want):
 
 @needs_tilelang
 @pytest.mark.skipif(not _has_option("bwd_ws64_16_heads"),
-                    reason="wip/0134 (NativeKernelOptions.bwd_ws64_16_heads) is not applied")
-@pytest.mark.parametrize("heads,on,kind", [(16, False, "bwd"), (16, True, "bwd_ws64"),
-                                           (8, True, "bwd"), (32, True, "bwd_ws64")])
+                    reason="0134 (NativeKernelOptions.bwd_ws64_16_heads) is not in the series")
+@pytest.mark.parametrize("heads,on,kind", [(16, None, "bwd_ws64"), (16, False, "bwd"),
+                                           (16, True, "bwd_ws64"), (8, True, "bwd"),
+                                           (32, False, "bwd_ws64")])
 def test_native_16_heads_backward_switch(fakes, heads, on, kind):
-    """wip/0134: bwd_ws64_16_heads sends 16 kernel heads to 0113's 64-row backward (off: the
-    head-block kernel); fewer heads keep the head-block kernel. The gradients through the hook
-    are the reference's."""
+    """0134: 16 kernel heads take 0113's 64-row backward (the default), with 0121's sort of the
+    indices as at 32/64 heads; bwd_ws64_16_heads=False keeps the head-block kernel there; fewer
+    heads keep the head-block kernel, and 32 heads the 64-row one, whatever it says. The
+    gradients through the hook are the reference's."""
+    from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
+        NativeKernelOptions,
+    )
+
+    assert NativeKernelOptions().bwd_ws64_16_heads, "0134's default"
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
-    with options(bwd_ws64=True, bwd_ws64_16_heads=on):
+    switch = {} if on is None else {"bwd_ws64_16_heads": on}
+    with options(bwd_ws64=True, **switch):
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    assert [b["kind"] for b in fakes.builds if b["kind"].startswith("bwd")] == [kind]
+    built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
+    assert [b["kind"] for b in built] == [kind]
+    if kind == "bwd_ws64":
+        assert built[0]["heads"] == heads
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 

@@ -376,11 +376,9 @@ def test_native_backward_row_pairs_matches_fp32_reference(monkeypatch, heads, to
                                            **phase_off())
 
 
-# wip/0134 (issue #17), in runs that apply it with WIP_PATCHES: 16 kernel heads through the
-# 64-row backward (48 zero rows), with 0121's timer phase as the route runs it, with and without
-# 0133's row-pair adds, against the FP32 reference.
-@pytest.mark.skipif(not _has_option("bwd_ws64_16_heads"),
-                    reason="wip/0134 (NativeKernelOptions.bwd_ws64_16_heads) is not applied")
+# 0134 (issue #17): 16 kernel heads through the 64-row backward (48 zero rows), with 0121's timer
+# phase as the route runs it, with and without 0133's row-pair adds, against the FP32 reference.
+@needs("0134")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("pairs", [False, True])
 def test_native_backward_16_heads_ws64_matches_fp32_reference(monkeypatch, topk, pairs):
