@@ -40,9 +40,9 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   native_ws64_s2_w2_ef / _hi_ef (0120: Q, dO and the KV gather evict_first in L2) and _ph<t> /
   _hi_ef_ph<t> (0121: a CTA's first key block from the global timer, --block-phase-ns;
   --unsorted shuffles each query's indices) and _hi_ef_ph<t>_rp (0133: the dKV adds by lane
-  pairs, the route's kernel since .25);
-  with wip/0124 also at 16 heads (the ws64 kernel as 64 rows)
-  native_ws64_s2_w2_hi_ef, _hi_ef_ph<t> and _hi_ef_ph<t>_rp;
+  pairs, the route's kernel since .25); with wip/0137 _hi_ef_ph<t>_rp_el50/_el75/_el100 (the
+  pairs' adds with an L2 cache policy, evict_last for that percentage of the lines);
+  with 0134 (the route's since .26) or wip/0124 also at 16 heads (the ws64 kernel as 64 rows);
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
   dKV at the scale _fixed_point_scale picks on the device, built with the run-time softmax scale
   as the wrapper builds it; fixed_shift: that scale's log2, bitwise_repeat over 3 calls)
@@ -53,6 +53,7 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
+import inspect
 import json
 import os
 import pathlib
@@ -96,8 +97,6 @@ def chunk_variants(heads):
         v[f"native_c{c}d"] = dict(base, dkv_chunk=c, dkv_direct=True)
     # 0106 (wheels from .15): 4-float adds from registers into a line-ordered accumulator (16
     # columns a warp)
-    import inspect
-
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_bwd as bwd_mod,
     )
@@ -107,7 +106,9 @@ def chunk_variants(heads):
     if "dkv_lines" in inspect.signature(getattr(bwd_mod.bwd, "func", bwd_mod.bwd)).parameters:
         lines = 16 * base["threads"] // 32
         v[f"native_c{lines}l"] = dict(base, dkv_chunk=lines, dkv_lines=True)
-    if heads in (32, 64) and ws64_fn is not None:
+    # 0134: 16 heads on the 64-row kernel too (the route's since .26)
+    ws64_heads = (16, 32, 64) if _has_native_option("bwd_ws64_16_heads") else (32, 64)
+    if heads in ws64_heads and ws64_fn is not None:
         # 0113: warpgroup roles with 64-row tiles (32 heads as 64 rows), dKV in line order
         v["native_ws64"] = dict(base, ws64=True, dkv_lines=True)
         if "dkv_stages" in ws64:  # 0114: two dKV accumulator stages (native_ws64: 0113's one)
@@ -129,8 +130,12 @@ def chunk_variants(heads):
                 v[f"native_ws64_s2_w2_hi_ef_ph{t}"] = dict(v["native_ws64_s2_w2_hi_ef"],
                                                            block_phase_ns=t)
                 if "row_pairs" in ws64:  # 0133: the dKV adds by lane pairs (the route's kernel)
-                    v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp"] = dict(
+                    rp = v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp"] = dict(
                         v[f"native_ws64_s2_w2_hi_ef_ph{t}"], row_pairs=True)
+                    if "dkv_evict_last" in ws64:  # wip/0137: the pairs' adds with an L2 policy
+                        for f in (0.5, 0.75, 1.0):
+                            v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp_el{round(f * 100)}"] = dict(
+                                rp, dkv_evict_last=f)
         if "l2_hint" in ws64:  # wip/0119-l2-hints: L2 eviction hints on 0115's default kernel
             for tag, mode in L2_HINTS.items():
                 v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)
@@ -207,15 +212,16 @@ def build(heads, cfg):
     if cfg.get("add_wg"):  # wip/0116 (dKV in column order)
         return bwd_mod.sparse_mla_bwd_ws64_add_wg(heads, 512, cfg["topk"], SCALE)
     if cfg.get("ws64"):  # 0113 (0114: dkv_stages)
-        extra = {k: cfg[k] for k in ("dkv_stages", "probe", "wg0_dkv_chunks", "tma_dkv_add", "l2_hint",
-                                      "hoist_indices", "evict_first_loads", "block_phase_ns",
-                                      "dkv_fixed")
-                 if k in cfg}
+        builder = bwd_mod.sparse_mla_bwd_ws64_tma if cfg.get("tma_dkv_add") else bwd_mod.sparse_mla_bwd_ws64
+        # every option the row names that the builder takes (a row's option the builder would not
+        # see builds another kernel than its name says: the _rp rows did until 0133's row_pairs
+        # was passed here)
+        params = inspect.signature(getattr(builder, "func", builder)).parameters
+        extra = {k: v for k, v in cfg.items() if k in params and k not in WS64_POSITIONAL}
         # dkv_fixed: the fixed-point scale comes with the softmax scale's run-time argument
         scale = None if cfg.get("dkv_fixed") else SCALE
         if cfg.get("dkv_fixed"):
             extra["runtime_scale"] = True
-        builder = bwd_mod.sparse_mla_bwd_ws64_tma if cfg.get("tma_dkv_add") else bwd_mod.sparse_mla_bwd_ws64
         return builder(heads, 512, cfg["topk"], scale, **extra)
     extra = {"probe": cfg["probe"]} if cfg.get("probe") else {}  # wip/0090's kernels only
     extra.update({k: cfg[k] for k in ("dkv_chunk", "dkv_direct", "dkv_lines") if k in cfg})
@@ -223,6 +229,16 @@ def build(heads, cfg):
                        max_block_h=cfg.get("block_h", 32), threads=cfg["threads"],
                        topk_dynamic=cfg["dynamic"], skip_invalid_gather=cfg["skip"],
                        split_store=cfg["split"], **extra)
+
+
+def _has_native_option(name):
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
+
+    return hasattr(tilelang_utils.NativeKernelOptions(), name)
+
+
+# the 64-row builders' arguments that build() gives positionally
+WS64_POSITIONAL = ("H", "D", "topk", "sm_scale")
 
 
 def compile_job(args):

@@ -12,7 +12,9 @@
 // exchange of values between lanes before the adds could gain at most), and the 4-row form with
 // that exchange paid in shuffles (what a kernel would get); then v4.f32 with part
 // of the accumulator held in L2 (a persisting access policy window), the most L2 residency of
-// dKV could gain. Build and run on the GPU host:
+// dKV could gain; then v4.f32 and the kernel's exchanged form with an L2 cache policy on each add
+// (createpolicy + red's .L2::cache_hint: evict_last for a fraction of the lines, no set-aside),
+// what the backward's own adds could take. Build and run on the GPU host:
 //
 //   nvcc -O3 -arch=sm_90a -o /tmp/red_probe bench/red_probe.cu && /tmp/red_probe [seq_len] [reps]
 #include <cstdio>
@@ -62,17 +64,45 @@ const char *names[] = {"red.global.add.v4.f32 (default: 4 floats an op)",
                        "red.global.add.v4.f32, 4 rows x 128 B after the exchange (4 SHFL a RED pair)"};
 const int values_per_op[] = {4, 2, 1, 2, 1, 4, 4, 4, 4, 4};
 const int bytes_per_value[] = {4, 4, 4, 4, 8, 4, 4, 4, 4, 4};
-__device__ __forceinline__ void red_v4(float *p, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
-               "f"(d) : "memory");
+// An L2 cache policy for the adds (PTX createpolicy; no set-aside, unlike the access policy
+// window below): POL 0 none (a plain red); 1-3 evict_last for 50 / 75 / 100% of the lines the
+// policy touches, evict_first for the rest; 4 evict_first for all; 5 evict_last for 50%, the rest
+// evict_unchanged. What the backward's adds could take with `.L2::cache_hint` (issue #17).
+constexpr int NPOL = 6;
+const char *pol_names[] = {"none", "evict_last 0.50 / evict_first", "evict_last 0.75 / evict_first",
+                           "evict_last 1.00", "evict_first 1.00", "evict_last 0.50 / evict_unchanged"};
+template <int POL>
+__device__ __forceinline__ uint64_t make_policy() {
+  uint64_t pol = 0;
+  if constexpr (POL == 1)
+    asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, 0.5;" : "=l"(pol));
+  else if constexpr (POL == 2)
+    asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, 0.75;" : "=l"(pol));
+  else if constexpr (POL == 3)
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  else if constexpr (POL == 4)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  else if constexpr (POL == 5)
+    asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, 0.5;" : "=l"(pol));
+  return pol;
+}
+template <int POL = 0>
+__device__ __forceinline__ void red_v4(float *p, float a, float b, float c, float d, uint64_t pol = 0) {
+  if constexpr (POL == 0)
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
+                 "f"(d) : "memory");
+  else
+    asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p),
+                 "f"(a), "f"(b), "f"(c), "f"(d), "l"(pol) : "memory");
 }
 
 // rows a warp instruction covers in the tile forms (the kernel's 64-column chunks, 16 rows a warp)
 __host__ __device__ constexpr int tile_rows(int f) { return f == V4_TILE ? 8 : f == V4_TILE4 ? 4 : 2; }
 
-template <int F>
+template <int F, int POL = 0>
 __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
   const int q = blockIdx.x, t = threadIdx.x;
+  const uint64_t pol = make_policy<POL>();
   if constexpr (F == V4_TILE || F == V4_TILE4 || F == V4_TILE2) {
     // as sparse_mla_bwd_ws64 adds a 64-key block's dKV chunk of 64 columns: warp w of a
     // warpgroup adds rows 16 w .. 16 w + 15, 8 instructions of 512 B; the two warpgroups take
@@ -135,11 +165,11 @@ __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
             int col = c * 64 + (g + hi) * 16 + lane % 4 * 4;
             if (kq >= 0) {
               float *p = (float *)acc + (size_t)kq * D + col;
-              red_v4(p, v1[0], v1[1], v1[2], v1[3]);
+              red_v4<POL>(p, v1[0], v1[1], v1[2], v1[3], pol);
             }
             if (kq4 >= 0) {
               float *p = (float *)acc + (size_t)kq4 * D + col;
-              red_v4(p, v2[0], v2[1], v2[2], v2[3]);
+              red_v4<POL>(p, v2[0], v2[1], v2[2], v2[3], pol);
             }
           }
         }
@@ -165,7 +195,7 @@ __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
       float v = 1.0f + (t & 7) * 0.125f;
       if constexpr (F == V4F32) {
         float *p = (float *)acc + (size_t)k * D + op * 4;
-        red_v4(p, v, v, v, v);
+        red_v4<POL>(p, v, v, v, v, pol);
       } else if constexpr (F == V2F32) {
         float *p = (float *)acc + (size_t)k * D + op * 2;
         asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v), "f"(v) : "memory");
@@ -201,7 +231,7 @@ __global__ void unpack_check(const uint64_t *acc, const int64_t *expect_lo, cons
   if (lo != expect_lo[i] || hi != expect_hi[i]) atomicAdd(bad, 1);
 }
 
-template <int F>
+template <int F, int POL = 0>
 float run(void *acc, size_t bytes, int seq, int mask, int reps, cudaStream_t st = 0) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
@@ -210,7 +240,7 @@ float run(void *acc, size_t bytes, int seq, int mask, int reps, cudaStream_t st 
   for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up
     CHECK(cudaMemsetAsync(acc, 0, bytes, st));
     CHECK(cudaEventRecord(a, st));
-    probe<F><<<seq, THREADS, 0, st>>>(acc, seq, mask);
+    probe<F, POL><<<seq, THREADS, 0, st>>>(acc, seq, mask);
     CHECK(cudaEventRecord(b, st));
     CHECK(cudaEventSynchronize(b));
     CHECK(cudaGetLastError());
@@ -299,6 +329,29 @@ int main(int argc, char **argv) {
       CHECK(cudaCtxResetPersistingL2Cache());
     }
     CHECK(cudaStreamDestroy(st));
+  }
+  // the default form and the kernel's (4 rows x 128 B after the exchange) with an L2 cache
+  // policy on each add (no set-aside, the full accumulator)
+  {
+    size_t bytes = (size_t)seq * D * 4;
+    const int m = 0x7fffffff;
+    printf("\n| L2 cache policy on the adds (createpolicy, no set-aside) | v4.f32 ms | ratio | 4 rows x 128 B after the exchange ms | ratio |\n");
+    printf("|---|---|---|---|---|\n");
+    float b0 = 0, b1 = 0;
+    for (int p = 0; p < NPOL; ++p) {
+      float m0 = 0, m1 = 0;
+      switch (p) {
+        case 0: m0 = run<V4F32, 0>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 0>(acc, bytes, seq, m, reps); break;
+        case 1: m0 = run<V4F32, 1>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 1>(acc, bytes, seq, m, reps); break;
+        case 2: m0 = run<V4F32, 2>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 2>(acc, bytes, seq, m, reps); break;
+        case 3: m0 = run<V4F32, 3>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 3>(acc, bytes, seq, m, reps); break;
+        case 4: m0 = run<V4F32, 4>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 4>(acc, bytes, seq, m, reps); break;
+        case 5: m0 = run<V4F32, 5>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 5>(acc, bytes, seq, m, reps); break;
+      }
+      if (p == 0) b0 = m0, b1 = m1;
+      printf("| %s | %.2f | %.3f | %.2f | %.3f |\n", pol_names[p], m0, m0 / b0, m1, m1 / b1);
+      fflush(stdout);
+    }
   }
   // the packed form's arithmetic: lanes that wrap in between but end in range come back exact
   {

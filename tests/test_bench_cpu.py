@@ -226,3 +226,44 @@ def test_precompile_job_routes_do_not_leak_into_the_next_job(monkeypatch):
         assert os.environ["MCORE_DSA_TILELANG_NOPE"] == "native"
         precompile.set_route(None)
         assert os.environ.get("MCORE_DSA_TILELANG_NOPE") == started
+
+
+def test_bwd_variants_build_passes_every_option_a_row_names(monkeypatch):
+    """bench/bwd_variants.build() hands the 64-row builder every option of a row's config that the
+    builder takes: a row whose option never reaches the builder times another kernel than its
+    name says (the _rp rows were built without 0133's row_pairs until this was checked)."""
+    pytest.importorskip("tilelang")
+    import inspect
+
+    import bwd_variants
+    from megatron.core.transformer.experimental_attention_variant.ops import (
+        tilelang_sparse_mla_bwd as bwd_mod,
+    )
+
+    real = bwd_mod.sparse_mla_bwd_ws64
+    params = inspect.signature(getattr(real, "func", real)).parameters
+    calls = []
+
+    class Recorder:
+        func = getattr(real, "func", real)  # what the variants read the signature from
+
+        def __call__(self, *args, **kwargs):
+            calls.append((args, kwargs))
+
+    monkeypatch.setattr(bwd_mod, "sparse_mla_bwd_ws64", Recorder())
+    monkeypatch.setattr(bwd_variants, "VARIANT_SETS", {"set": "chunks"})
+    seen = set()
+    for heads in (16, 32, 64):
+        for name, cfg in bwd_variants.variants(heads).items():
+            if not cfg.get("ws64") or cfg.get("tma_dkv_add"):
+                continue
+            calls.clear()
+            bwd_variants.build(heads, cfg)
+            (args, kwargs), = calls
+            assert args[:3] == (heads, 512, cfg["topk"]), name
+            for key, value in cfg.items():
+                if key in params and key not in bwd_variants.WS64_POSITIONAL:
+                    assert kwargs.get(key) == value, (name, key)
+                    seen.add(key)
+    if "row_pairs" in params:  # 0133's rows
+        assert "row_pairs" in seen

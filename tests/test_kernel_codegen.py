@@ -731,6 +731,39 @@ def test_bwd_native_ws64_row_pairs_lane_layout(sm90):
 
 @needs_tilelang
 @needs_nvcc
+@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last"),
+                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last) is not applied")
+def test_bwd_native_ws64_dkv_evict_last_changes_only_the_add(sm90):
+    """wip/0137: with dkv_evict_last the row pairs' 4-float add carries an L2 cache policy
+    (evict_last for the given fraction of the lines, evict_first for the rest) and nothing else
+    of the kernel changes: the kernels' code after the prelude is the pairs build's, character for
+    character; without the option the adds take none. A fraction outside [0, 1], or the option
+    without the pairs, is refused."""
+    topk = _round_up(2051, BWD_BLOCK)
+    base = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
+                evict_first_loads=True, row_pairs=True)
+    phase_ns = 8000 if has("0121") else 0
+    if phase_ns:
+        base["block_phase_ns"] = phase_ns
+    # the same build as test_bwd_native_ws64_row_pairs_lane_layout's "pairs" one (one compile)
+    off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs",
+                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base)
+    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs el0.5",
+                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base, dkv_evict_last=0.5)
+    policy = "createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, 0.5;"
+    # (0120's evict_first loads make a policy of their own, in both)
+    assert on.count(policy) == 1 and "L2::evict_last" not in off
+    assert on.count("red.global.add.L2::cache_hint.v4.f32") == 1
+    assert "red.global.add.v4.f32" not in on and off.count("red.global.add.v4.f32") == 1
+    kernel = lambda src: src[src.index("extern \"C\" __global__"):]
+    assert kernel(on) == kernel(off)
+    for bad in (dict(base, dkv_evict_last=1.5), dict(base, row_pairs=False, dkv_evict_last=0.5)):
+        with pytest.raises(AssertionError):
+            bwd_mod.sparse_mla_bwd_ws64(64, D_V, topk, **bad)
+
+
+@needs_tilelang
+@needs_nvcc
 @pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
                     reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
 @pytest.mark.parametrize("heads", [32, 64])

@@ -389,6 +389,18 @@ def test_native_backward_16_heads_ws64_matches_fp32_reference(monkeypatch, topk,
                                            bwd_ws64_16_heads=True, **extra)
 
 
+# wip/0137 (issue #17), in runs that apply it with WIP_PATCHES: the row pairs' dKV adds with an
+# L2 cache policy (evict_last for a fraction of the lines), as the route runs it, against the FP32
+# reference.
+@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last"),
+                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last) is not applied")
+@pytest.mark.parametrize("heads,topk", [(16, 2051), (64, 65), (64, 2051)])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_native_backward_dkv_evict_last_matches_fp32_reference(monkeypatch, heads, topk, fraction):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 53, 7,
+                                           bwd_dkv_evict_last=fraction)
+
+
 def with_and_without(q, k, idx, do, **options):
     """Two fwd+bwd calls, with NativeKernelOptions `options` and without, 0121's timer phase off
     in both (so that dq sums its blocks in one order)."""
