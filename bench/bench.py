@@ -27,7 +27,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_deterministic_int32x2, native_deterministic_fp32, native_deterministic_fp32g4 512/2051
                 with wip/0127 applied: the same with bwd_deterministic_form (a fixed-point scale
                 for each key; g4: bwd_deterministic_key_groups=4); at 16/32/64 kernel heads only
-                (other head counts keep 0124's int64 form whatever the row's name)
+                (other head counts keep 0124's int64 form whatever the row's name); with wip/0138
+                each also as _sorted (bwd_deterministic_sort: the indices sorted by key)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
@@ -547,14 +548,19 @@ def run(args):
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
                     repeat=True, ref=native_results()))
             key_forms = {"int32x2": ("int32x2", 1), "fp32": ("fp32", 1), "fp32g4": ("fp32", 4)}
-            for name, (form, groups) in (
-                    key_forms.items() if has_native_option("bwd_deterministic_form") else ()):
+            # wip/0138: each form also with the indices sorted by key (_sorted rows)
+            sorts = (False, True) if has_native_option("bwd_deterministic_sort") else (False,)
+            for (name, (form, groups)), sort in (
+                    [(f, srt) for f in key_forms.items() for srt in sorts]
+                    if has_native_option("bwd_deterministic_form") else ()):
                 # wip/0127 (issue #21): the same with a fixed-point scale for each key
-                if wanted(f"native_deterministic_{name}"):
-                    add(f"native_deterministic_{name}", 512, 2051, fwd_bwd(
+                row = f"native_deterministic_{name}" + ("_sorted" if sort else "")
+                if wanted(row):
+                    add(row, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, repeat=True,
                         options=dict(bwd_deterministic=True, bwd_deterministic_form=form,
-                                     bwd_deterministic_key_groups=groups),
+                                     bwd_deterministic_key_groups=groups,
+                                     **({"bwd_deterministic_sort": True} if sort else {})),
                         ref=native_results()))
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(

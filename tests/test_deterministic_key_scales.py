@@ -6,7 +6,7 @@ applied to the tree under test."""
 import pytest
 import torch
 
-from native_kernels import bwd_mod
+from native_kernels import _has_option, bwd_mod
 
 pytestmark = pytest.mark.skipif(
     not hasattr(bwd_mod, "_key_scales"), reason="wip/0127 (_key_scales) is not applied"
@@ -103,9 +103,11 @@ class KeyFixedFakes:
     def __init__(self):
         self.bound_units = None
         self.checked = 0
+        self.indices = {}  # the indices each pass was given
 
     def get_bound(self, H, D, topk, evict_first_loads=False, key_groups=1):
         def kernel(q, kv, do, indices, lse, delta, row_max, key_bound, scale, bound_scale):
+            self.indices["bound"] = indices.clone()
             assert row_max.shape == (*q.shape[:3], 2) and key_bound.dtype == torch.int64
             assert key_bound.shape == (kv.size(0), kv.size(1), key_groups)
             assert torch.equal(row_max[..., 0], q.float().abs().amax(-1))
@@ -131,6 +133,7 @@ class KeyFixedFakes:
         def kernel(q, kv, do, indices, lse, delta, dkv, scale, key_scale):
             from test_native_routing import _bwd_from_lse_delta, _to_lines
 
+            self.indices["adds"] = indices.clone()
             _, _, c, keys, valid = _kernel_terms(q, kv, do, indices, lse, delta, scale)
             key_bound, units = self.bound_units
             assert key_scale.shape == (kv.size(0), kv.size(1), groups)
@@ -176,11 +179,15 @@ class KeyFixedFakes:
 
 @pytest.mark.parametrize("form", ["int32x2", "fp32", "fp32/4"])
 @pytest.mark.parametrize("heads", [16, 64])
-def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads):
+@pytest.mark.parametrize("sort", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _has_option("bwd_deterministic_sort"),
+    reason="wip/0138 (NativeKernelOptions.bwd_deterministic_sort) is not applied"))])
+def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sort):
     """sparse_mla_bwd's deterministic route with bwd_deterministic_form, its kernels replaced by
     their contract in PyTorch: the two passes' arguments, the scales between them, the bound
     holding for every key, and dk within bf16 rounding of the exact gradient (outlier rows
-    included: q x10 on one head, dO x10 on a few queries)."""
+    included: q x10 on one head, dO x10 on a few queries). wip/0138 (sort): both passes get
+    each query's indices sorted by key (without it, as given), and the gradients are the same."""
     from sparse_ref import causal_random_indices
     from test_native_routing import _attend, _bwd_from_lse_delta, _lse_log2, options
 
@@ -203,12 +210,17 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads):
     lse = _lse_log2(q, kv, idx, scale)
     delta = (_attend(q, kv, idx, scale).bfloat16().float() * do.float()).sum(-1)
     form, _, groups = form.partition("/")
+    given = idx.clone()
     with options(
         bwd_deterministic=True,
         bwd_deterministic_form=form,
         bwd_deterministic_key_groups=int(groups or 1),
+        **({"bwd_deterministic_sort": True} if sort else {}),
     ):
         dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
+    assert torch.equal(idx, given), "the caller's indices are left as given"
+    want = given.sort(-1).values if sort else given
+    assert torch.equal(f.indices["bound"], want) and torch.equal(f.indices["adds"], want)
     assert f.checked > s // 2
     exact_dq, exact_dk = _bwd_from_lse_delta(q, kv, do, idx, lse, delta, scale)
     assert dk.shape == kv.shape and dk.dtype == torch.bfloat16

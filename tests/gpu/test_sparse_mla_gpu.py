@@ -206,6 +206,29 @@ def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
     assert err <= 1.02 * err_default, f"dk {err:.3e} against the default's {err_default:.3e}"
 
 
+# wip/0138 (issue #21), in runs that apply it with WIP_PATCHES: the deterministic backward with
+# each query's indices sorted by key, on shuffled indices. Against the FP32 reference, bitwise
+# equal over repeated calls, and dk bitwise equal to the unsorted run's (the fixed-point adds are
+# order-free: the sort changes only the order in which the same terms are added).
+@pytest.mark.skipif(not _has_option("bwd_deterministic_sort"),
+                    reason="wip/0138 (NativeKernelOptions.bwd_deterministic_sort) is not applied")
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("form", ["int64", "fp32"])
+def test_native_deterministic_sorted_indices(monkeypatch, form, heads):
+    opts = dict(bwd_deterministic=True, bwd_deterministic_form=form)
+    native_backward_matches_fp32_reference(monkeypatch, heads, 2051, heads + 29, 5, shuffle=True,
+                                           bwd_deterministic_sort=True, **opts)
+    q, k, do, idx = make(1024, heads, 512, 2051, seed=heads + 7)
+    g = torch.Generator().manual_seed(heads)
+    idx = idx.gather(-1, torch.rand(idx.shape, generator=g).argsort(dim=-1).to(idx.device))
+    with override_native_kernel_options(**opts, bwd_deterministic_sort=True):
+        first = run_fused(q, k, idx, do)
+        assert_bitwise(first, run_fused(q, k, idx, do), "differs between two identical runs")
+    with override_native_kernel_options(**opts):
+        unsorted = run_fused(q, k, idx, do)
+    assert torch.equal(first[2], unsorted[2]), "dk depends on the order of the indices"
+
+
 # wip/0128 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward freeing P and
 # dS after its last dKV GEMM of a block, before that chunk's adds (one and two dKV stages; 0, 2
 # or 3 of the 8 chunks in WG0, 3 leaving WG1 an odd count). Against the FP32 reference, and
