@@ -23,7 +23,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 below also set bwd_ws64=False (0113's kernel replaces the head-block backward
                 they vary at 32 and 64 heads)
   native_deterministic 512/2051  with wip/0124 applied: NativeKernelOptions(bwd_deterministic=True);
-                bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256
+                bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256; with
+                wip/0138 also native_deterministic_sorted (bwd_deterministic_sort)
   native_deterministic_int32x2, native_deterministic_fp32, native_deterministic_fp32g4 512/2051
                 with wip/0127 applied: the same with bwd_deterministic_form (a fixed-point scale
                 for each key; g4: bwd_deterministic_key_groups=4); at 16/32/64 kernel heads only
@@ -45,7 +46,7 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_prev_bwd 512/2051  the backward without 0120's and 0121's defaults (no hoisted indices,
                 evict_first loads, block phase or index sort; without hoisted indices 0133's row
                 pairs are off too), 32 and 64 heads; checked against the native route
-  native_head_block_bwd 512/2051  the same with NativeKernelOptions(bwd_ws64_16_heads=False)
+  native_head_block_bwd 512/2051  the native route with NativeKernelOptions(bwd_ws64_16_heads=False)
                 (without 0134: the head-block backward at 16 heads), 16 heads at every length;
                 checked against the native route
   --ab NAME:FIELD=VALUE,...  512/2051  the native route with these NativeKernelOptions fields (an
@@ -547,6 +548,11 @@ def run(args):
                 add("native_deterministic", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
                     repeat=True, ref=native_results()))
+                if has_native_option("bwd_deterministic_sort"):  # wip/0138: indices sorted
+                    add("native_deterministic_sorted", 512, 2051, fwd_bwd(
+                        hook_fn(heads, "native"), q512, k512, idx, repeat=True,
+                        options=dict(bwd_deterministic=True, bwd_deterministic_sort=True),
+                        ref=native_results()))
             key_forms = {"int32x2": ("int32x2", 1), "fp32": ("fp32", 1), "fp32g4": ("fp32", 4)}
             # wip/0138: each form also with the indices sorted by key (_sorted rows)
             sorts = (False, True) if has_native_option("bwd_deterministic_sort") else (False,)

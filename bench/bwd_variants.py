@@ -40,8 +40,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   native_ws64_s2_w2_ef / _hi_ef (0120: Q, dO and the KV gather evict_first in L2) and _ph<t> /
   _hi_ef_ph<t> (0121: a CTA's first key block from the global timer, --block-phase-ns;
   --unsorted shuffles each query's indices) and _hi_ef_ph<t>_rp (0133: the dKV adds by lane
-  pairs, the route's kernel since .25); with wip/0137 _hi_ef_ph<t>_rp_el50/_el75/_el100 (the
-  pairs' adds with an L2 cache policy, evict_last for that percentage of the lines);
+  pairs, the route's kernel since .25); with wip/0137 _hi_ef_ph<t>_rp_el24/_el32/_el40 (the
+  pairs' adds with an L2 cache policy, evict_last for the accumulator's first that many MiB);
   with 0134 (the route's since .26) or wip/0124 also at 16 heads (the ws64 kernel as 64 rows);
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
   dKV at the scale _fixed_point_scale picks on the device, built with the run-time softmax scale
@@ -132,10 +132,10 @@ def chunk_variants(heads):
                 if "row_pairs" in ws64:  # 0133: the dKV adds by lane pairs (the route's kernel)
                     rp = v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp"] = dict(
                         v[f"native_ws64_s2_w2_hi_ef_ph{t}"], row_pairs=True)
-                    if "dkv_evict_last" in ws64:  # wip/0137: the pairs' adds with an L2 policy
-                        for f in (0.5, 0.75, 1.0):
-                            v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp_el{round(f * 100)}"] = dict(
-                                rp, dkv_evict_last=f)
+                    if "dkv_evict_last_mib" in ws64:  # wip/0137: the pairs' adds, L2 policy
+                        for mib in (24, 32, 40):
+                            v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp_el{mib}"] = dict(
+                                rp, dkv_evict_last_mib=mib)
         if "l2_hint" in ws64:  # wip/0119-l2-hints: L2 eviction hints on 0115's default kernel
             for tag, mode in L2_HINTS.items():
                 v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)
@@ -217,6 +217,9 @@ def build(heads, cfg):
         # see builds another kernel than its name says: the _rp rows did until 0133's row_pairs
         # was passed here)
         params = inspect.signature(getattr(builder, "func", builder)).parameters
+        unknown = set(cfg) - set(params) - WS64_ROW_KEYS
+        if unknown:  # an option this tree's builder does not take: the row would lie
+            raise ValueError(f"the 64-row builder takes no {sorted(unknown)}")
         extra = {k: v for k, v in cfg.items() if k in params and k not in WS64_POSITIONAL}
         # dkv_fixed: the fixed-point scale comes with the softmax scale's run-time argument
         scale = None if cfg.get("dkv_fixed") else SCALE
@@ -239,6 +242,10 @@ def _has_native_option(name):
 
 # the 64-row builders' arguments that build() gives positionally
 WS64_POSITIONAL = ("H", "D", "topk", "sm_scale")
+# a 64-row row's keys that are not builder arguments (the head-block rows' fields it inherits,
+# and what picks the builder)
+WS64_ROW_KEYS = {"tail", "dynamic", "threads", "skip", "split", "block_h", "ws64", "dkv_lines",
+                 "tma_dkv_add"}
 
 
 def compile_job(args):

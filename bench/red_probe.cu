@@ -13,8 +13,9 @@
 // that exchange paid in shuffles (what a kernel would get); then v4.f32 with part
 // of the accumulator held in L2 (a persisting access policy window), the most L2 residency of
 // dKV could gain; then v4.f32 and the kernel's exchanged form with an L2 cache policy on each add
-// (createpolicy + red's .L2::cache_hint: evict_last for a fraction of the lines, no set-aside),
-// what the backward's own adds could take. Build and run on the GPU host:
+// (createpolicy + red's .L2::cache_hint, no set-aside: evict_last for a fraction of the accesses,
+// or for the accumulator's first MiB), what the backward's own adds could take. Build and run on
+// the GPU host:
 //
 //   nvcc -O3 -arch=sm_90a -o /tmp/red_probe bench/red_probe.cu && /tmp/red_probe [seq_len] [reps]
 #include <cstdio>
@@ -65,15 +66,27 @@ const char *names[] = {"red.global.add.v4.f32 (default: 4 floats an op)",
 const int values_per_op[] = {4, 2, 1, 2, 1, 4, 4, 4, 4, 4};
 const int bytes_per_value[] = {4, 4, 4, 4, 8, 4, 4, 4, 4, 4};
 // An L2 cache policy for the adds (PTX createpolicy; no set-aside, unlike the access policy
-// window below): POL 0 none (a plain red); 1-3 evict_last for 50 / 75 / 100% of the lines the
-// policy touches, evict_first for the rest; 4 evict_first for all; 5 evict_last for 50%, the rest
-// evict_unchanged. What the backward's adds could take with `.L2::cache_hint` (issue #17).
-constexpr int NPOL = 6;
-const char *pol_names[] = {"none", "evict_last 0.50 / evict_first", "evict_last 0.75 / evict_first",
-                           "evict_last 1.00", "evict_first 1.00", "evict_last 0.50 / evict_unchanged"};
+// window below): POL 0 none (a plain red); 1-3 createpolicy.fractional, evict_last for 50 / 75 /
+// 100% of the accesses (each access draws its priority), evict_first for the rest; 4 evict_first
+// for all; 5 evict_last for 50%, the rest evict_unchanged; 6-8 createpolicy.range, evict_last
+// for the accumulator's first 24 / 32 / 40 MiB (the lowest keys: a causal key is visible to every
+// later query, so the low keys take the most adds), evict_first past them. What the backward's
+// adds could take with `.L2::cache_hint` (issue #17).
+constexpr int NPOL = 9;
+const char *pol_names[] = {"none", "fractional: evict_last 0.50 / evict_first",
+                           "fractional: evict_last 0.75 / evict_first", "fractional: evict_last 1.00",
+                           "fractional: evict_first 1.00", "fractional: evict_last 0.50 / evict_unchanged",
+                           "range: first 24 MiB evict_last, the rest evict_first",
+                           "range: first 32 MiB evict_last, the rest evict_first",
+                           "range: first 40 MiB evict_last, the rest evict_first"};
 template <int POL>
-__device__ __forceinline__ uint64_t make_policy() {
+__device__ __forceinline__ uint64_t make_policy(const void *base) {
   uint64_t pol = 0;
+  if constexpr (POL >= 6) {
+    const uint32_t primary = (POL == 6 ? 24u : POL == 7 ? 32u : 40u) << 20, total = 0xffffffffu;
+    asm volatile("createpolicy.range.global.L2::evict_last.L2::evict_first.b64 %0, [%1], %2, %3;"
+                 : "=l"(pol) : "l"(base), "r"(primary), "r"(total));
+  }
   if constexpr (POL == 1)
     asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, 0.5;" : "=l"(pol));
   else if constexpr (POL == 2)
@@ -102,7 +115,7 @@ __host__ __device__ constexpr int tile_rows(int f) { return f == V4_TILE ? 8 : f
 template <int F, int POL = 0>
 __global__ void __launch_bounds__(THREADS) probe(void *acc, int seq, int mask) {
   const int q = blockIdx.x, t = threadIdx.x;
-  const uint64_t pol = make_policy<POL>();
+  const uint64_t pol = make_policy<POL>(acc);
   if constexpr (F == V4_TILE || F == V4_TILE4 || F == V4_TILE2) {
     // as sparse_mla_bwd_ws64 adds a 64-key block's dKV chunk of 64 columns: warp w of a
     // warpgroup adds rows 16 w .. 16 w + 15, 8 instructions of 512 B; the two warpgroups take
@@ -347,6 +360,9 @@ int main(int argc, char **argv) {
         case 3: m0 = run<V4F32, 3>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 3>(acc, bytes, seq, m, reps); break;
         case 4: m0 = run<V4F32, 4>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 4>(acc, bytes, seq, m, reps); break;
         case 5: m0 = run<V4F32, 5>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 5>(acc, bytes, seq, m, reps); break;
+        case 6: m0 = run<V4F32, 6>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 6>(acc, bytes, seq, m, reps); break;
+        case 7: m0 = run<V4F32, 7>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 7>(acc, bytes, seq, m, reps); break;
+        case 8: m0 = run<V4F32, 8>(acc, bytes, seq, m, reps); m1 = run<V4_TILE4X, 8>(acc, bytes, seq, m, reps); break;
       }
       if (p == 0) b0 = m0, b1 = m1;
       printf("| %s | %.2f | %.3f | %.2f | %.3f |\n", pol_names[p], m0, m0 / b0, m1, m1 / b1);

@@ -230,8 +230,9 @@ def test_precompile_job_routes_do_not_leak_into_the_next_job(monkeypatch):
 
 def test_bwd_variants_build_passes_every_option_a_row_names(monkeypatch):
     """bench/bwd_variants.build() hands the 64-row builder every option of a row's config that the
-    builder takes: a row whose option never reaches the builder times another kernel than its
-    name says (the _rp rows were built without 0133's row_pairs until this was checked)."""
+    builder takes, and refuses one it does not: a row whose option never reaches the builder times
+    another kernel than its name says (the _rp rows were built without 0133's row_pairs until
+    this was checked)."""
     pytest.importorskip("tilelang")
     import inspect
 
@@ -259,6 +260,7 @@ def test_bwd_variants_build_passes_every_option_a_row_names(monkeypatch):
                 continue
             calls.clear()
             bwd_variants.build(heads, cfg)
+            last = cfg
             (args, kwargs), = calls
             assert args[:3] == (heads, 512, cfg["topk"]), name
             for key, value in cfg.items():
@@ -267,3 +269,6 @@ def test_bwd_variants_build_passes_every_option_a_row_names(monkeypatch):
                     seen.add(key)
     if "row_pairs" in params:  # 0133's rows
         assert "row_pairs" in seen
+    # an option the tree's builder does not take is refused, not dropped
+    with pytest.raises(ValueError, match="no_such_option"):
+        bwd_variants.build(64, dict(last, no_such_option=True))

@@ -731,14 +731,15 @@ def test_bwd_native_ws64_row_pairs_lane_layout(sm90):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last"),
-                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last) is not applied")
+@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last_mib"),
+                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last_mib) is not applied")
 def test_bwd_native_ws64_dkv_evict_last_changes_only_the_add(sm90):
-    """wip/0137: with dkv_evict_last the row pairs' 4-float add carries an L2 cache policy
-    (evict_last for the given fraction of the lines, evict_first for the rest) and nothing else
-    of the kernel changes: the kernels' code after the prelude is the pairs build's, character for
-    character; without the option the adds take none. A fraction outside [0, 1], or the option
-    without the pairs, is refused."""
+    """wip/0137: with dkv_evict_last_mib the row pairs' 4-float add carries an L2 cache policy
+    (createpolicy.range: evict_last for the first m MiB from the batch's accumulator row 0,
+    evict_first past them) and nothing else of the kernel changes: the kernels' code after the
+    prelude is the pairs build's, character for character; without the option the adds take no
+    policy. A size past createpolicy's 32-bit byte counts, or the option without the pairs, is
+    refused."""
     topk = _round_up(2051, BWD_BLOCK)
     base = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
                 evict_first_loads=True, row_pairs=True)
@@ -748,16 +749,16 @@ def test_bwd_native_ws64_dkv_evict_last_changes_only_the_add(sm90):
     # the same build as test_bwd_native_ws64_row_pairs_lane_layout's "pairs" one (one compile)
     off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs",
                        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base)
-    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs el0.5",
-                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base, dkv_evict_last=0.5)
-    policy = "createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, 0.5;"
-    # (0120's evict_first loads make a policy of their own, in both)
-    assert on.count(policy) == 1 and "L2::evict_last" not in off
+    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs el32",
+                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base, dkv_evict_last_mib=32)
+    policy = "createpolicy.range.global.L2::evict_last.L2::evict_first.b64"
+    assert on.count(policy) == 1 and '"r"(32u << 20)' in on and "L2::evict_last" not in off
     assert on.count("red.global.add.L2::cache_hint.v4.f32") == 1
     assert "red.global.add.v4.f32" not in on and off.count("red.global.add.v4.f32") == 1
     kernel = lambda src: src[src.index("extern \"C\" __global__"):]
     assert kernel(on) == kernel(off)
-    for bad in (dict(base, dkv_evict_last=1.5), dict(base, row_pairs=False, dkv_evict_last=0.5)):
+    for bad in (dict(base, dkv_evict_last_mib=4096),
+                dict(base, row_pairs=False, dkv_evict_last_mib=32)):
         with pytest.raises(AssertionError):
             bwd_mod.sparse_mla_bwd_ws64(64, D_V, topk, **bad)
 

@@ -193,10 +193,10 @@ class KernelFakes:
     def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
         # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), wip/0130's
-        # fast_exp2, wip/0132's async_dq, 0133's row_pairs and wip/0137's dkv_evict_last change
+        # fast_exp2, wip/0132's async_dq, 0133's row_pairs and wip/0137's dkv_evict_last_mib change
         # no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
-                               "fast_exp2", "async_dq", "row_pairs", "dkv_evict_last"}, levers
+                               "fast_exp2", "async_dq", "row_pairs", "dkv_evict_last_mib"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
         self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks,
@@ -776,23 +776,23 @@ def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, ar
 
 
 @needs_tilelang
-@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last"),
-                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last) is not applied")
+@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last_mib"),
+                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last_mib) is not applied")
 @pytest.mark.parametrize("heads", [16, 32, 64])
-@pytest.mark.parametrize("fraction,pairs,want", [(0.0, True, None), (0.5, True, 0.5),
-                                                 (1.0, True, 1.0), (0.5, False, None)])
-def test_native_64_row_backward_dkv_evict_last(fakes, heads, fraction, pairs, want):
-    """wip/0137: bwd_dkv_evict_last reaches the 64-row backward's builder as dkv_evict_last,
-    only with 0133's row pairs (whose adds take the policy); 0 (the default) or without the
-    pairs, the call is the series' own, without the argument. The gradients through the hook
-    are the reference's."""
+@pytest.mark.parametrize("mib,pairs,want", [(0, True, None), (32, True, 32), (48, True, 48),
+                                            (32, False, None)])
+def test_native_64_row_backward_dkv_evict_last(fakes, heads, mib, pairs, want):
+    """wip/0137: bwd_dkv_evict_last_mib reaches the 64-row backward's builder as
+    dkv_evict_last_mib, only with 0133's row pairs (whose adds take the policy); 0 (the default)
+    or without the pairs, the call is the series' own, without the argument. The gradients
+    through the hook are the reference's."""
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
-    with options(bwd_ws64=True, bwd_ws64_row_pairs=pairs, bwd_dkv_evict_last=fraction):
+    with options(bwd_ws64=True, bwd_ws64_row_pairs=pairs, bwd_dkv_evict_last_mib=mib):
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
     assert [b["kind"] for b in built] == ["bwd_ws64"]
-    assert built[0].get("dkv_evict_last") == want
+    assert built[0].get("dkv_evict_last_mib") == want
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 

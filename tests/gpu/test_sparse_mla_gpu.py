@@ -20,8 +20,8 @@ SCALE = 512 ** -0.5  # the default scale of every case (0108 also runs others)
 
 def phase_off():
     """NativeKernelOptions fields that turn 0121's timer phase off (where it is in the tree): with
-    it dq sums its key blocks in a timer-given order at 32/64 heads, so two calls are not bitwise
-    equal."""
+    it dq sums its key blocks in a timer-given order at 32/64 heads (0134: and 16), so two calls
+    are not bitwise equal."""
     return {"bwd_block_phase_ns": 0} if has("0121") else {}
 DEV = "cuda"
 
@@ -413,15 +413,15 @@ def test_native_backward_16_heads_ws64_matches_fp32_reference(monkeypatch, topk,
 
 
 # wip/0137 (issue #17), in runs that apply it with WIP_PATCHES: the row pairs' dKV adds with an
-# L2 cache policy (evict_last for a fraction of the lines), as the route runs it, against the FP32
-# reference.
-@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last"),
-                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last) is not applied")
+# L2 cache policy (evict_last for the accumulator's first MiB), as the route runs it, against the
+# FP32 reference.
+@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last_mib"),
+                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last_mib) is not applied")
 @pytest.mark.parametrize("heads,topk", [(16, 2051), (64, 65), (64, 2051)])
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_native_backward_dkv_evict_last_matches_fp32_reference(monkeypatch, heads, topk, fraction):
+@pytest.mark.parametrize("mib", [1, 32])
+def test_native_backward_dkv_evict_last_matches_fp32_reference(monkeypatch, heads, topk, mib):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 53, 7,
-                                           bwd_dkv_evict_last=fraction)
+                                           bwd_dkv_evict_last_mib=mib)
 
 
 def with_and_without(q, k, idx, do, **options):
