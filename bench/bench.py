@@ -29,7 +29,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 with wip/0127 applied: the same with bwd_deterministic_form (a fixed-point scale
                 for each key; g4: bwd_deterministic_key_groups=4); at 16/32/64 kernel heads only
                 (other head counts keep 0124's int64 form whatever the row's name); with wip/0138
-                each also as _sorted (bwd_deterministic_sort: the indices sorted by key)
+                each also as _sorted (bwd_deterministic_sort: the indices sorted by key); with
+                wip/0139 also native_deterministic_fp32fine (bwd_deterministic_fine_scales)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
@@ -554,6 +555,8 @@ def run(args):
                         options=dict(bwd_deterministic=True, bwd_deterministic_sort=True),
                         ref=native_results()))
             key_forms = {"int32x2": ("int32x2", 1), "fp32": ("fp32", 1), "fp32g4": ("fp32", 4)}
+            if has_native_option("bwd_deterministic_fine_scales"):  # wip/0139
+                key_forms["fp32fine"] = ("fp32", 1)
             # wip/0138: each form also with the indices sorted by key (_sorted rows)
             sorts = (False, True) if has_native_option("bwd_deterministic_sort") else (False,)
             for (name, (form, groups)), sort in (
@@ -566,7 +569,9 @@ def run(args):
                         hook_fn(heads, "native"), q512, k512, idx, repeat=True,
                         options=dict(bwd_deterministic=True, bwd_deterministic_form=form,
                                      bwd_deterministic_key_groups=groups,
-                                     **({"bwd_deterministic_sort": True} if sort else {})),
+                                     **({"bwd_deterministic_sort": True} if sort else {}),
+                                     **({"bwd_deterministic_fine_scales": True}
+                                        if name.endswith("fine") else {})),
                         ref=native_results()))
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(

@@ -35,6 +35,33 @@ def test_key_scales_use_the_headroom_and_stay_within_it(form, u):
     assert torch.equal(torch.frexp(scale)[0], torch.full_like(scale, 0.5))
 
 
+@pytest.mark.skipif(not _has_option("bwd_deterministic_fine_scales"),
+                    reason="wip/0139 (NativeKernelOptions.bwd_deterministic_fine_scales) is not applied")
+@pytest.mark.parametrize("u", [-20, 0, 17])
+def test_fine_key_scales_bring_the_bound_just_under_the_exact_range(u):
+    """wip/0139: "fp32" with fine scales: each selected key's scaled bound is 2^24 - 2^20 rounded
+    down (never above: every partial sum of integer-valued floats stays exact below 2^24, with
+    2^20 left for the rounding of up to 2^20 queries), one to two bits finer than the power-of-two
+    scales; the inverse is the scale's to float32 rounding; a key no query selected keeps 1."""
+    counts = torch.tensor(
+        [[0, 1, 2, 3, 2**20 + 7, 2**40 - 1, 2**40, 2**53 + 1, 2**61 + 12345]], dtype=torch.int64
+    )
+    scale, inv = bwd_mod._key_scales(counts, torch.tensor([2.0**u]), "fp32", fine=True)
+    coarse, _ = bwd_mod._key_scales(counts, torch.tensor([2.0**u]), "fp32")
+    assert scale.dtype == inv.dtype == torch.float32 and scale.shape == counts.shape
+    scaled = counts.double() * 2.0**-u * scale.double()
+    top = 2.0**24 - 2.0**20
+    selected = counts > 0
+    assert (scaled <= top).all()
+    assert (scaled[selected] >= top * (1 - 2.0**-22)).all()
+    ratio = scale.double()[selected] / coarse.double()[selected]
+    assert ((ratio > 1.8) & (ratio <= 3.75)).all(), ratio  # one to two bits finer
+    assert scale[0, 0] == 1 and inv[0, 0] == 1
+    assert ((scale.double() * inv.double() - 1).abs() <= 2.0**-23).all()
+    with pytest.raises(AssertionError):
+        bwd_mod._key_scales(counts, torch.tensor([1.0]), "int32x2", fine=True)
+
+
 def test_key_scales_are_nan_where_the_bound_is_not_finite():
     counts = torch.tensor([[0, 5, 2**30]], dtype=torch.int64)
     scale, inv = bwd_mod._key_scales(counts, torch.tensor([float("nan")]), "int32x2")
@@ -177,7 +204,10 @@ class KeyFixedFakes:
         return kernel
 
 
-@pytest.mark.parametrize("form", ["int32x2", "fp32", "fp32/4"])
+@pytest.mark.parametrize("form", ["int32x2", "fp32", "fp32/4", pytest.param(
+    "fp32+fine", marks=pytest.mark.skipif(
+        not _has_option("bwd_deterministic_fine_scales"),
+        reason="wip/0139 (NativeKernelOptions.bwd_deterministic_fine_scales) is not applied"))])
 @pytest.mark.parametrize("heads", [16, 64])
 @pytest.mark.parametrize("sort", [False, pytest.param(True, marks=pytest.mark.skipif(
     not _has_option("bwd_deterministic_sort"),
@@ -211,6 +241,7 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
     scale = w**-0.5
     lse = _lse_log2(q, kv, idx, scale)
     delta = (_attend(q, kv, idx, scale).bfloat16().float() * do.float()).sum(-1)
+    form, fine = form.split("+")[0], form.endswith("+fine")
     form, _, groups = form.partition("/")
     given = idx.clone()
     with options(
@@ -218,6 +249,7 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
         bwd_deterministic_form=form,
         bwd_deterministic_key_groups=int(groups or 1),
         **({"bwd_deterministic_sort": True} if sort else {}),
+        **({"bwd_deterministic_fine_scales": True} if fine else {}),
     ):
         dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
     assert torch.equal(idx, given), "the caller's indices are left as given"

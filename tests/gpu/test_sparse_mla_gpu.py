@@ -188,11 +188,17 @@ def test_native_deterministic_backward_is_bitwise_repeatable(monkeypatch, heads,
                     reason="wip/0127 (NativeKernelOptions.bwd_deterministic_form) is not applied")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [16, 32, 64])
-@pytest.mark.parametrize("form", ["int32x2", "fp32", "fp32/4"])
+@pytest.mark.parametrize("form", ["int32x2", "fp32", "fp32/4", pytest.param(
+    "fp32+fine", marks=pytest.mark.skipif(
+        not _has_option("bwd_deterministic_fine_scales"),
+        reason="wip/0139 (NativeKernelOptions.bwd_deterministic_fine_scales) is not applied"))])
 def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
+    # "+fine": wip/0139's key scales, the bound just under 2^24 - 2^20
+    form, fine = form.split("+")[0], form.endswith("+fine")
     form, _, groups = form.partition("/")
     opts = dict(bwd_deterministic=True, bwd_deterministic_form=form,
-                bwd_deterministic_key_groups=int(groups or 1))
+                bwd_deterministic_key_groups=int(groups or 1),
+                **({"bwd_deterministic_fine_scales": True} if fine else {}))
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 13, 3, **opts)
     q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk + 1)
     with override_native_kernel_options(**opts):
