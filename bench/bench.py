@@ -544,35 +544,30 @@ def run(args):
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
                 add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
                                                        options=dict(head_block, bwd_max_block_h=32)))
-            if has_native_option("bwd_deterministic") and wanted("native_deterministic"):
-                # wip/0109 (issue #21), checked against the default native backward's results
-                add("native_deterministic", 512, 2051, fwd_bwd(
-                    hook_fn(heads, "native"), q512, k512, idx, options=dict(bwd_deterministic=True),
-                    repeat=True, ref=native_results()))
-                if has_native_option("bwd_deterministic_sort"):  # wip/0138: indices sorted
-                    add("native_deterministic_sorted", 512, 2051, fwd_bwd(
-                        hook_fn(heads, "native"), q512, k512, idx, repeat=True,
-                        options=dict(bwd_deterministic=True, bwd_deterministic_sort=True),
-                        ref=native_results()))
-            key_forms = {"int32x2": ("int32x2", 1), "fp32": ("fp32", 1), "fp32g4": ("fp32", 4)}
-            if has_native_option("bwd_deterministic_fine_scales"):  # wip/0139
-                key_forms["fp32fine"] = ("fp32", 1)
-            # wip/0138: each form also with the indices sorted by key (_sorted rows)
-            sorts = (False, True) if has_native_option("bwd_deterministic_sort") else (False,)
-            for (name, (form, groups)), sort in (
-                    [(f, srt) for f in key_forms.items() for srt in sorts]
-                    if has_native_option("bwd_deterministic_form") else ()):
-                # wip/0127 (issue #21): the same with a fixed-point scale for each key
-                row = f"native_deterministic_{name}" + ("_sorted" if sort else "")
-                if wanted(row):
-                    add(row, 512, 2051, fwd_bwd(
-                        hook_fn(heads, "native"), q512, k512, idx, repeat=True,
-                        options=dict(bwd_deterministic=True, bwd_deterministic_form=form,
-                                     bwd_deterministic_key_groups=groups,
-                                     **({"bwd_deterministic_sort": True} if sort else {}),
-                                     **({"bwd_deterministic_fine_scales": True}
-                                        if name.endswith("fine") else {})),
-                        ref=native_results()))
+            # wip/0109/0124 (issue #21): the deterministic backward (int64, native_deterministic),
+            # wip/0127's forms with a fixed-point scale for each key (_int32x2, _fp32, _fp32g4),
+            # wip/0139's finer fp32 scales (_fp32fine), each with wip/0138's sorted indices too
+            # (_sorted), checked against the default native backward's results
+            forms = {"": {}} if has_native_option("bwd_deterministic") else {}
+            if has_native_option("bwd_deterministic_form"):
+                forms.update({
+                    "_int32x2": dict(bwd_deterministic_form="int32x2"),
+                    "_fp32": dict(bwd_deterministic_form="fp32"),
+                    "_fp32g4": dict(bwd_deterministic_form="fp32", bwd_deterministic_key_groups=4)})
+            if has_native_option("bwd_deterministic_fine_scales"):
+                forms["_fp32fine"] = dict(bwd_deterministic_form="fp32",
+                                          bwd_deterministic_fine_scales=True)
+            sorts = {"": {}}
+            if has_native_option("bwd_deterministic_sort"):
+                sorts["_sorted"] = dict(bwd_deterministic_sort=True)
+            for form, form_options in forms.items():
+                for sort, sort_options in sorts.items():
+                    row = f"native_deterministic{form}{sort}"
+                    if wanted(row):  # (before native_results(), which costs a call)
+                        add(row, 512, 2051, fwd_bwd(
+                            hook_fn(heads, "native"), q512, k512, idx, repeat=True,
+                            options=dict(bwd_deterministic=True, **form_options, **sort_options),
+                            ref=native_results()))
             if heads in (16, 64) and L == 32768:  # A/B of patch 0105 (dKV in column chunks)
                 add("native_dkv_whole", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
@@ -592,7 +587,8 @@ def run(args):
                 add("native_wg1_dkv", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_wg0_dkv_chunks=0), ref=native_results()))
-            if heads == 16 and has_native_option("bwd_ws64_16_heads"):
+            if heads == 16 and has_native_option("bwd_ws64_16_heads") and wanted(
+                    "native_head_block_bwd"):
                 # A/B of patch 0134 (16 heads on 0113's 64-row backward), every length
                 add("native_head_block_bwd", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,

@@ -106,8 +106,10 @@ def chunk_variants(heads):
     if "dkv_lines" in inspect.signature(getattr(bwd_mod.bwd, "func", bwd_mod.bwd)).parameters:
         lines = 16 * base["threads"] // 32
         v[f"native_c{lines}l"] = dict(base, dkv_chunk=lines, dkv_lines=True)
+    from bench import has_native_option  # bench/bench.py (this script's folder is on sys.path)
+
     # 0134: 16 heads on the 64-row kernel too (the route's since .26)
-    ws64_heads = (16, 32, 64) if _has_native_option("bwd_ws64_16_heads") else (32, 64)
+    ws64_heads = (16, 32, 64) if has_native_option("bwd_ws64_16_heads") else (32, 64)
     if heads in ws64_heads and ws64_fn is not None:
         # 0113: warpgroup roles with 64-row tiles (32 heads as 64 rows), dKV in line order
         v["native_ws64"] = dict(base, ws64=True, dkv_lines=True)
@@ -232,12 +234,6 @@ def build(heads, cfg):
                        max_block_h=cfg.get("block_h", 32), threads=cfg["threads"],
                        topk_dynamic=cfg["dynamic"], skip_invalid_gather=cfg["skip"],
                        split_store=cfg["split"], **extra)
-
-
-def _has_native_option(name):
-    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_utils
-
-    return hasattr(tilelang_utils.NativeKernelOptions(), name)
 
 
 # the 64-row builders' arguments that build() gives positionally

@@ -641,6 +641,20 @@ _ORDERING = re.compile(
 )
 
 
+def _route_bwd_ws64(sm90, tag="", **extra):
+    """The CUDA of 0113's backward at 64 heads and top-k 2051 built as the route builds it (two
+    dKV stages, WG0 2 chunks, 0120's levers, 0121's timer phase where the tree has it), with
+    `extra` builder options; tag names them, so that tests asking for the same build share one
+    compile."""
+    topk = _round_up(2051, BWD_BLOCK)
+    phase_ns = 8000 if has("0121") else 0
+    options = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
+                   evict_first_loads=True, **({"block_phase_ns": phase_ns} if phase_ns else {}))
+    src, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns}{tag}",
+                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **options, **extra)
+    return src
+
+
 @needs_tilelang
 @needs_nvcc
 @needs("0120")
@@ -650,16 +664,12 @@ def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
     waits and arrives, and the copies replace TileLang's, one for one. 0121's timer phase adds
     one CTA barrier after thread 0 writes the phase slot (read once, never written again)."""
     topk = _round_up(2051, BWD_BLOCK)
-    base = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2)
     phase_ns = 8000 if has("0121") else 0
-    levers = dict(hoist_indices=True, evict_first_loads=True)
-    if phase_ns:
-        levers["block_phase_ns"] = phase_ns
     # the same build as test_bwd_native_ws64_wg0_dkv_chunks's (one compile)
     off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2",
-                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base)
-    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns}",
-                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base, **levers)
+                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
+                       dkv_stages=2, wg0_dkv_chunks=2)
+    on = _route_bwd_ws64(sm90)
     seq_on, seq_off = _ORDERING.findall(on), _ORDERING.findall(off)
     if phase_ns:
         assert seq_on[:2] == ["__syncthreads()", "__syncthreads()"] and seq_on[1:] == seq_off
@@ -707,17 +717,9 @@ def test_bwd_native_ws64_row_pairs_lane_layout(sm90):
     in the macro: the row's bit 2) is lane bit 4 in TileLang's layout, the lane the helper's
     __shfl_xor_sync(..., 16) reaches. A layout where row r ^ 4 sat elsewhere would pair the wrong
     lanes and corrupt dKV with no error. The barrier sequence is the kernel's without pairs."""
-    topk = _round_up(2051, BWD_BLOCK)
-    base = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
-                evict_first_loads=True)
-    phase_ns = 8000 if has("0121") else 0
-    if phase_ns:
-        base["block_phase_ns"] = phase_ns
-    # the same build as test_bwd_native_ws64_levers_keep_the_ordering's (one compile)
-    off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns}",
-                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base)
-    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs",
-                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base, row_pairs=True)
+    # (the builds of test_bwd_native_ws64_levers_keep_the_ordering and of the evict_last test)
+    off = _route_bwd_ws64(sm90)
+    on = _route_bwd_ws64(sm90, " pairs", row_pairs=True)
     assert off.count("AtomicAddx4(") > 0 and "glm_add_row_pair" not in off
     assert "AtomicAddx4(" not in on
     calls = re.findall(r"glm_add_row_pair\(\(&\(dKV\[[^;]*\), 512, (rows(?:_0)?)\[\((i_\d+) >> 4\)\], "
@@ -740,27 +742,21 @@ def test_bwd_native_ws64_dkv_evict_last_changes_only_the_add(sm90):
     prelude is the pairs build's, character for character; without the option the adds take no
     policy. A size past createpolicy's 32-bit byte counts, or the option without the pairs, is
     refused."""
-    topk = _round_up(2051, BWD_BLOCK)
-    base = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
-                evict_first_loads=True, row_pairs=True)
-    phase_ns = 8000 if has("0121") else 0
-    if phase_ns:
-        base["block_phase_ns"] = phase_ns
-    # the same build as test_bwd_native_ws64_row_pairs_lane_layout's "pairs" one (one compile)
-    off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs",
-                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base)
-    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns} pairs el32",
-                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **base, dkv_evict_last_mib=32)
+    # (off: test_bwd_native_ws64_row_pairs_lane_layout's "pairs" build, one compile)
+    off = _route_bwd_ws64(sm90, " pairs", row_pairs=True)
+    on = _route_bwd_ws64(sm90, " pairs el32", row_pairs=True, dkv_evict_last_mib=32)
     policy = "createpolicy.range.global.L2::evict_last.L2::evict_first.b64"
     assert on.count(policy) == 1 and '"r"(32u << 20)' in on and "L2::evict_last" not in off
     assert on.count("red.global.add.L2::cache_hint.v4.f32") == 1
     assert "red.global.add.v4.f32" not in on and off.count("red.global.add.v4.f32") == 1
     kernel = lambda src: src[src.index("extern \"C\" __global__"):]
     assert kernel(on) == kernel(off)
-    for bad in (dict(base, dkv_evict_last_mib=4096),
-                dict(base, row_pairs=False, dkv_evict_last_mib=32)):
+    topk = _round_up(2051, BWD_BLOCK)
+    for bad in (dict(row_pairs=True, dkv_evict_last_mib=4096),
+                dict(row_pairs=False, dkv_evict_last_mib=32)):
         with pytest.raises(AssertionError):
-            bwd_mod.sparse_mla_bwd_ws64(64, D_V, topk, **bad)
+            bwd_mod.sparse_mla_bwd_ws64(64, D_V, topk, runtime_scale=True, dkv_stages=2,
+                                        wg0_dkv_chunks=2, hoist_indices=True, **bad)
 
 
 @needs_tilelang

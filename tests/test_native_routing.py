@@ -775,6 +775,17 @@ def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, ar
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
+def _backward_builds(fakes, heads, **fields):
+    """The backward builds of one fwd+bwd through the hook (top-k 131, 256 tokens) with these
+    NativeKernelOptions fields, after checking its gradients against the reference's."""
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(**fields):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+    return [b for b in fakes.builds if b["kind"].startswith("bwd")]
+
+
 @needs_tilelang
 @pytest.mark.skipif(not _has_option("bwd_dkv_evict_last_mib"),
                     reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last_mib) is not applied")
@@ -786,14 +797,10 @@ def test_native_64_row_backward_dkv_evict_last(fakes, heads, mib, pairs, want):
     dkv_evict_last_mib, only with 0133's row pairs (whose adds take the policy); 0 (the default)
     or without the pairs, the call is the series' own, without the argument. The gradients
     through the hook are the reference's."""
-    topk, scale = 131, 512 ** -0.5
-    query, key, idx = _inputs(512, topk, heads, 256, 512)
-    with options(bwd_ws64=True, bwd_ws64_row_pairs=pairs, bwd_dkv_evict_last_mib=mib):
-        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
+    built = _backward_builds(fakes, heads, bwd_ws64=True, bwd_ws64_row_pairs=pairs,
+                             bwd_dkv_evict_last_mib=mib)
     assert [b["kind"] for b in built] == ["bwd_ws64"]
     assert built[0].get("dkv_evict_last_mib") == want
-    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
 @needs_tilelang
@@ -811,14 +818,10 @@ def test_native_64_row_backward_row_pairs(fakes, heads, pairs, hoist, want):
     )
 
     assert NativeKernelOptions().bwd_ws64_row_pairs, "0133's default"
-    topk, scale = 131, 512 ** -0.5
-    query, key, idx = _inputs(512, topk, heads, 256, 512)
-    with options(bwd_ws64=True, bwd_ws64_row_pairs=pairs, bwd_hoist_indices=hoist):
-        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
+    built = _backward_builds(fakes, heads, bwd_ws64=True, bwd_ws64_row_pairs=pairs,
+                             bwd_hoist_indices=hoist)
     assert [b["kind"] for b in built] == ["bwd_ws64"]
     assert built[0]["row_pairs"] is want
-    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
 @needs_tilelang
@@ -837,16 +840,11 @@ def test_native_16_heads_backward_switch(fakes, heads, on, kind):
     )
 
     assert NativeKernelOptions().bwd_ws64_16_heads, "0134's default"
-    topk, scale = 131, 512 ** -0.5
-    query, key, idx = _inputs(512, topk, heads, 256, 512)
     switch = {} if on is None else {"bwd_ws64_16_heads": on}
-    with options(bwd_ws64=True, **switch):
-        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
+    built = _backward_builds(fakes, heads, bwd_ws64=True, **switch)
     assert [b["kind"] for b in built] == [kind]
     if kind == "bwd_ws64":
         assert built[0]["heads"] == heads
-    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
 @needs_tilelang
