@@ -155,6 +155,7 @@ class KeyFixedFakes:
         assert dkv_key_fixed in ("int32x2", "fp32"), dkv_key_fixed
         assert dkv_key_fixed == "fp32" or dkv_key_groups == 1
         assert levers.get("block_phase_ns", 0) == 0
+        self.levers = levers
         groups = dkv_key_groups
 
         def kernel(q, kv, do, indices, lse, delta, dkv, scale, key_scale):
@@ -211,13 +212,18 @@ class KeyFixedFakes:
 @pytest.mark.parametrize("heads", [16, 64])
 @pytest.mark.parametrize("sort", [False, pytest.param(True, marks=pytest.mark.skipif(
     not _has_option("bwd_deterministic_sort"),
-    reason="wip/0138 (NativeKernelOptions.bwd_deterministic_sort) is not applied"))])
+    reason="wip/0138 (NativeKernelOptions.bwd_deterministic_sort) is not applied")),
+    pytest.param("phase", marks=pytest.mark.skipif(
+        not _has_option("bwd_block_phase_queries"),
+        reason="wip/0140 (NativeKernelOptions.bwd_block_phase_queries) is not applied"))])
 def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sort):
     """sparse_mla_bwd's deterministic route with bwd_deterministic_form, its kernels replaced by
     their contract in PyTorch: the two passes' arguments, the scales between them, the bound
     holding for every key, and dk within bf16 rounding of the exact gradient (outlier rows
     included: q x10 on one head, dO x10 on a few queries). wip/0138 (sort): both passes get
-    each query's indices sorted by key (without it, as given), and the gradients are the same."""
+    each query's indices sorted by key (without it, as given), and the gradients are the same.
+    wip/0140 (phase): the adds pass gets bwd_block_phase_queries as block_phase_queries, and both
+    passes the sorted indices."""
     from sparse_ref import causal_random_indices
     from test_native_routing import _attend, _bwd_from_lse_delta, _lse_log2, options
 
@@ -248,11 +254,13 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
         bwd_deterministic=True,
         bwd_deterministic_form=form,
         bwd_deterministic_key_groups=int(groups or 1),
-        **({"bwd_deterministic_sort": True} if sort else {}),
+        **({"bwd_deterministic_sort": True} if sort is True else {}),
+        **({"bwd_block_phase_queries": 132} if sort == "phase" else {}),
         **({"bwd_deterministic_fine_scales": True} if fine else {}),
     ):
         dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
     assert torch.equal(idx, given), "the caller's indices are left as given"
+    assert f.levers.get("block_phase_queries") == (132 if sort == "phase" else None)
     want = given.sort(-1).values if sort else given
     assert torch.equal(f.indices["bound"], want) and torch.equal(f.indices["adds"], want)
     assert f.checked > s // 2

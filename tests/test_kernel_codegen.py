@@ -761,6 +761,35 @@ def test_bwd_native_ws64_dkv_evict_last_changes_only_the_add(sm90):
 
 @needs_tilelang
 @needs_nvcc
+@pytest.mark.skipif(not _has_option("bwd_block_phase_queries"),
+                    reason="wip/0140 (NativeKernelOptions.bwd_block_phase_queries) is not applied")
+def test_bwd_native_ws64_query_phase_replaces_the_timer(sm90):
+    """wip/0140: with block_phase_queries=q a CTA's walk starts at key block (query * blocks / q)
+    mod blocks, computed from blockIdx.x where a block is indexed: no timer read, no phase slot
+    and no CTA barrier for it (the kernel's barriers, waits and arrives are those of the build
+    without a phase). At top-k 2051 (33 blocks) and q = 132 that is (blockIdx.x % 132) / 4.
+    Both phases at once, or a negative q, are refused."""
+    topk = _round_up(2051, BWD_BLOCK)
+    # (off: test_bwd_native_ws64_levers_keep_the_ordering's build without levers, one compile)
+    off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2",
+                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
+                       dkv_stages=2, wg0_dkv_chunks=2)
+    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef pq132",
+                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
+                      dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
+                      evict_first_loads=True, block_phase_queries=132)
+    assert "glm_globaltimer" not in on and "phase[0]" not in on
+    assert _ORDERING.findall(on) == _ORDERING.findall(off)
+    walk = re.findall(r"\(\(\(\(int\)blockIdx\.x\) % 132\) / 4\) \+ i_i\w*\) % 33\)", on)
+    assert walk and "% 33" not in off
+    for bad in (dict(block_phase_queries=132, block_phase_ns=8000), dict(block_phase_queries=-1)):
+        with pytest.raises(AssertionError):
+            bwd_mod.sparse_mla_bwd_ws64(64, D_V, topk, runtime_scale=True, dkv_stages=2,
+                                        wg0_dkv_chunks=2, **bad)
+
+
+@needs_tilelang
+@needs_nvcc
 @pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
                     reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
 @pytest.mark.parametrize("heads", [32, 64])

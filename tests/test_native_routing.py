@@ -193,10 +193,11 @@ class KernelFakes:
     def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
         # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), wip/0130's
-        # fast_exp2, wip/0132's async_dq, 0133's row_pairs and wip/0137's dkv_evict_last_mib change
-        # no result
+        # fast_exp2, wip/0132's async_dq, 0133's row_pairs, wip/0137's dkv_evict_last_mib and
+        # wip/0140's block_phase_queries change no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
-                               "fast_exp2", "async_dq", "row_pairs", "dkv_evict_last_mib"}, levers
+                               "fast_exp2", "async_dq", "row_pairs", "dkv_evict_last_mib",
+                               "block_phase_queries"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
         self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks,
@@ -784,6 +785,32 @@ def _backward_builds(fakes, heads, **fields):
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
     return [b for b in fakes.builds if b["kind"].startswith("bwd")]
+
+
+@needs_tilelang
+@pytest.mark.skipif(not _has_option("bwd_block_phase_queries"),
+                    reason="wip/0140 (NativeKernelOptions.bwd_block_phase_queries) is not applied")
+@pytest.mark.parametrize("heads", [16, 32, 64])
+@pytest.mark.parametrize("queries", [0, 132])
+def test_native_64_row_backward_query_phase(fakes, heads, queries):
+    """wip/0140: bwd_block_phase_queries=q reaches the 64-row backward's builder as
+    block_phase_queries with the timer phase off (block_phase_ns 0), and the kernel gets each
+    query's indices sorted by key as with the timer; 0 (the default): the series' own call,
+    without the argument. The gradients through the hook, on indices in score order, are the
+    reference's."""
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    g = torch.Generator().manual_seed(heads)
+    idx = idx.gather(-1, torch.rand(idx.shape, generator=g).argsort(-1))
+    with options(bwd_ws64=True, bwd_block_phase_queries=queries):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+    built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
+    assert [b["kind"] for b in built] == ["bwd_ws64"]
+    assert built[0].get("block_phase_queries") == (queries or None)
+    assert built[0]["block_phase_ns"] == (0 if queries else 8000)
+    (call,) = [c for c in fakes.calls if c["kind"] == "bwd"]
+    assert torch.equal(call["indices"].view(-1, topk), idx.view(-1, topk).sort(-1).values)
 
 
 @needs_tilelang

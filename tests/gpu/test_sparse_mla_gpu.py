@@ -430,6 +430,33 @@ def test_native_backward_dkv_evict_last_matches_fp32_reference(monkeypatch, head
                                            bwd_dkv_evict_last_mib=mib)
 
 
+# wip/0140 (issues #17, #21), in runs that apply it with WIP_PATCHES: the 64-row backward's first
+# key block given by the query instead of the timer, over shuffled indices (the route sorts
+# them), against the FP32 reference; dq bitwise equal over repeated calls (its blocks' order no
+# longer follows the timer; dk's fp32 adds still differ), and the deterministic fp32 form with it
+# bitwise equal over repeated calls, dk bitwise the timer-free form's (the adds are order-free).
+@pytest.mark.skipif(not _has_option("bwd_block_phase_queries"),
+                    reason="wip/0140 (NativeKernelOptions.bwd_block_phase_queries) is not applied")
+@pytest.mark.parametrize("heads,topk", [(16, 2051), (64, 65), (64, 2051)])
+def test_native_backward_query_phase(monkeypatch, heads, topk):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 59, 5,
+                                           shuffle=True, bwd_block_phase_queries=132)
+    q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk + 3)
+    with override_native_kernel_options(bwd_block_phase_queries=132):
+        first = run_fused(q, k, idx, do)
+        again = run_fused(q, k, idx, do)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]), (
+        "out or dq differs between two identical runs")
+    if _has_option("bwd_deterministic_form"):
+        opts = dict(bwd_deterministic=True, bwd_deterministic_form="fp32")
+        with override_native_kernel_options(**opts, bwd_block_phase_queries=132):
+            det = run_fused(q, k, idx, do)
+            assert_bitwise(det, run_fused(q, k, idx, do), "differs between two identical runs")
+        with override_native_kernel_options(**opts):
+            plain = run_fused(q, k, idx, do)
+        assert torch.equal(det[2], plain[2]), "dk depends on the phase"
+
+
 def with_and_without(q, k, idx, do, **options):
     """Two fwd+bwd calls, with NativeKernelOptions `options` and without, 0121's timer phase off
     in both (so that dq sums its blocks in one order)."""
