@@ -94,6 +94,9 @@ FEATURES = {
              lambda: HAVE_TILELANG and "pad_rows" in inspect.getsource(bwd_mod.bwd.func)),
     "0133": ("NativeKernelOptions.bwd_ws64_row_pairs", lambda: _has_option("bwd_ws64_row_pairs")),
     "0134": ("NativeKernelOptions.bwd_ws64_16_heads", lambda: _has_option("bwd_ws64_16_heads")),
+    "0141": ("NativeKernelOptions.bwd_wg0_dkv_chunks defaulting to 1",
+             lambda: _has_option("bwd_wg0_dkv_chunks")
+             and tilelang_utils.NativeKernelOptions().bwd_wg0_dkv_chunks == 1),
 }
 
 

@@ -641,16 +641,21 @@ _ORDERING = re.compile(
 )
 
 
+# 0141: the route's WG0 takes one dKV chunk a key block (0115's split took two)
+ROUTE_WG0 = 1 if has("0141") else 2
+
+
 def _route_bwd_ws64(sm90, tag="", **extra):
     """The CUDA of 0113's backward at 64 heads and top-k 2051 built as the route builds it (two
-    dKV stages, WG0 2 chunks, 0120's levers, 0121's timer phase where the tree has it), with
+    dKV stages, WG0's chunks, 0120's levers, 0121's timer phase where the tree has it), with
     `extra` builder options; tag names them, so that tests asking for the same build share one
     compile."""
     topk = _round_up(2051, BWD_BLOCK)
     phase_ns = 8000 if has("0121") else 0
-    options = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
+    options = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=ROUTE_WG0, hoist_indices=True,
                    evict_first_loads=True, **({"block_phase_ns": phase_ns} if phase_ns else {}))
-    src, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef ph{phase_ns}{tag}",
+    src, _, _ = _sm90a(sm90,
+                       f"bwd_ws64 h64 topk {topk} stages 2 wg0 {ROUTE_WG0} hi ef ph{phase_ns}{tag}",
                        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **options, **extra)
     return src
 
@@ -665,10 +670,10 @@ def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
     one CTA barrier after thread 0 writes the phase slot (read once, never written again)."""
     topk = _round_up(2051, BWD_BLOCK)
     phase_ns = 8000 if has("0121") else 0
-    # the same build as test_bwd_native_ws64_wg0_dkv_chunks's (one compile)
-    off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2",
+    # (without 0141: the same build as test_bwd_native_ws64_wg0_dkv_chunks's, one compile)
+    off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 {ROUTE_WG0}",
                        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
-                       dkv_stages=2, wg0_dkv_chunks=2)
+                       dkv_stages=2, wg0_dkv_chunks=ROUTE_WG0)
     on = _route_bwd_ws64(sm90)
     seq_on, seq_off = _ORDERING.findall(on), _ORDERING.findall(off)
     if phase_ns:
@@ -770,7 +775,7 @@ def test_bwd_native_ws64_query_phase_replaces_the_timer(sm90):
     without a phase). At top-k 2051 (33 blocks) and q = 132 that is (blockIdx.x % 132) / 4.
     Both phases at once, or a negative q, are refused."""
     topk = _round_up(2051, BWD_BLOCK)
-    # (off: test_bwd_native_ws64_levers_keep_the_ordering's build without levers, one compile)
+    # (off: test_bwd_native_ws64_wg0_dkv_chunks's build, one compile)
     off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2",
                        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
                        dkv_stages=2, wg0_dkv_chunks=2)

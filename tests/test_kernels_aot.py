@@ -151,7 +151,8 @@ def test_plan_is_the_glm_set(glm_plan):
             elif c["kind"] == "bwd_ws64":
                 assert c["args"] == [kernel_heads, 512, 2080]
                 want = {"dkv_stages": 2} if has("0114") else {}
-                want = dict(want, wg0_dkv_chunks=2) if has("0115") else want
+                if has("0115"):  # WG0's dKV chunks: two, one since 0141
+                    want = dict(want, wg0_dkv_chunks=1 if has("0141") else 2)
                 if has("0120"):  # hoisted indices, evict_first loads
                     want = dict(want, hoist_indices=True, evict_first_loads=True)
                 if has("0121"):  # the timer phase

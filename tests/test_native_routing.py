@@ -657,7 +657,8 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
     if bwd[0]["kind"] == "bwd_ws64":
         assert bwd[0]["topk"] == _round_up(topk, BWD_BLOCK) and post[0]["lines"]
         assert bwd[0]["dkv_stages"] == (2 if has("0114") else 1)  # 0114: two stages by default
-        assert bwd[0]["wg0_dkv_chunks"] == (2 if has("0115") else 0)  # 0115: WG0 takes two
+        # 0115: WG0 takes two dKV chunks; 0141: one
+        assert bwd[0]["wg0_dkv_chunks"] == (1 if has("0141") else 2 if has("0115") else 0)
         if has("0120"):  # by default a block's indices loaded once, evict_first loads
             assert bwd[0]["hoist_indices"] and bwd[0]["evict_first_loads"]
         if has("0121"):  # by default the timer phase, over each query's indices sorted by key

@@ -120,13 +120,13 @@ def test_native_64_row_kernels_match_fp32_reference(monkeypatch, heads, topk, fw
                                            fwd_ws64=fwd_ws64, bwd_ws64=bwd_ws64, **extra)
 
 
-# 0115: WG0 computes and adds the first m dKV chunks of each key block (2 by default, which every
-# other 32/64-head case runs); 0 is 0114's kernel, 1 and 3 leave WG1 an odd number of chunks (the
-# first on its own, then pairs).
+# 0115: WG0 computes and adds the first m dKV chunks of each key block (2 by default, 1 since
+# 0141, which every other 16/32/64-head case runs); 0 is 0114's kernel, 1 and 3 leave WG1 an odd
+# number of chunks (the first on its own, then pairs), 2 an even one.
 @needs("0115")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
-@pytest.mark.parametrize("wg0_chunks", [0, 1, 3])
+@pytest.mark.parametrize("wg0_chunks", [0, 2 if has("0141") else 1, 3])
 def test_native_backward_wg0_dkv_chunks_match_fp32_reference(monkeypatch, heads, topk, wg0_chunks):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + wg0_chunks, 7,
                                            bwd_wg0_dkv_chunks=wg0_chunks)
