@@ -30,8 +30,7 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 for each key; g4: bwd_deterministic_key_groups=4); at 16/32/64 kernel heads only
                 (other head counts keep 0124's int64 form whatever the row's name); with wip/0138
                 each also as _sorted (bwd_deterministic_sort: the indices sorted by key); with
-                wip/0139 also native_deterministic_fp32fine (bwd_deterministic_fine_scales); with
-                wip/0140 each also as _phase (bwd_block_phase_queries: the device's SM count)
+                wip/0139 also native_deterministic_fp32fine (bwd_deterministic_fine_scales)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
@@ -548,8 +547,7 @@ def run(args):
             # wip/0109/0124 (issue #21): the deterministic backward (int64, native_deterministic),
             # wip/0127's forms with a fixed-point scale for each key (_int32x2, _fp32, _fp32g4),
             # wip/0139's finer fp32 scales (_fp32fine), each with wip/0138's sorted indices too
-            # (_sorted) or wip/0140's query phase (_phase), checked against the default native
-            # backward's results
+            # (_sorted), checked against the default native backward's results
             forms = {"": {}} if has_native_option("bwd_deterministic") else {}
             if has_native_option("bwd_deterministic_form"):
                 forms.update({
@@ -562,9 +560,6 @@ def run(args):
             sorts = {"": {}}
             if has_native_option("bwd_deterministic_sort"):
                 sorts["_sorted"] = dict(bwd_deterministic_sort=True)
-            if has_native_option("bwd_block_phase_queries"):  # wip/0140: a CTA an SM at once
-                sms = torch.cuda.get_device_properties(q512.device).multi_processor_count
-                sorts["_phase"] = dict(bwd_block_phase_queries=sms)
             for form, form_options in forms.items():
                 for sort, sort_options in sorts.items():
                     row = f"native_deterministic{form}{sort}"
@@ -606,11 +601,14 @@ def run(args):
             if heads in (32, 64) and has_native_option("bwd_block_phase_ns") and wanted(
                     "native_prev_bwd"):
                 # A/B of patches 0120 and 0121: 0113's backward as before them (no hoisted
-                # indices, no evict_first loads, no block phase and no index sort)
+                # indices, no evict_first loads, no block phase and no index sort; 0142's
+                # query phase off too)
+                no_query_phase = (dict(bwd_block_phase_queries=0)
+                                  if has_native_option("bwd_block_phase_queries") else {})
                 add("native_prev_bwd", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_hoist_indices=False, bwd_evict_first_loads=False,
-                                 bwd_block_phase_ns=0),
+                                 bwd_block_phase_ns=0, **no_query_phase),
                     ref=native_results()))
             for ab_name, ab_options in args.ab:
                 # --ab: the native route with these NativeKernelOptions fields, side by side

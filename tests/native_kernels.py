@@ -97,6 +97,8 @@ FEATURES = {
     "0141": ("NativeKernelOptions.bwd_wg0_dkv_chunks defaulting to 1",
              lambda: _has_option("bwd_wg0_dkv_chunks")
              and tilelang_utils.NativeKernelOptions().bwd_wg0_dkv_chunks == 1),
+    "0142": ("NativeKernelOptions.bwd_block_phase_queries",
+             lambda: _has_option("bwd_block_phase_queries")),
 }
 
 

@@ -3,6 +3,8 @@ with a fixed-point scale for each key. Its kernels need a GPU (tests/gpu); the s
 every lane's sum in range are plain torch, checked here on CPU. Skips while the draft is not
 applied to the tree under test."""
 
+import types
+
 import pytest
 import torch
 
@@ -215,15 +217,16 @@ class KeyFixedFakes:
     reason="wip/0138 (NativeKernelOptions.bwd_deterministic_sort) is not applied")),
     pytest.param("phase", marks=pytest.mark.skipif(
         not _has_option("bwd_block_phase_queries"),
-        reason="wip/0140 (NativeKernelOptions.bwd_block_phase_queries) is not applied"))])
+        reason="patch 0142 (NativeKernelOptions.bwd_block_phase_queries) is not in the tree"))])
 def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sort):
     """sparse_mla_bwd's deterministic route with bwd_deterministic_form, its kernels replaced by
     their contract in PyTorch: the two passes' arguments, the scales between them, the bound
     holding for every key, and dk within bf16 rounding of the exact gradient (outlier rows
     included: q x10 on one head, dO x10 on a few queries). wip/0138 (sort): both passes get
     each query's indices sorted by key (without it, as given), and the gradients are the same.
-    wip/0140 (phase): the adds pass gets bwd_block_phase_queries as block_phase_queries, and both
-    passes the sorted indices."""
+    Series 0142 (phase, its default): the adds pass gets the device's SM count as
+    block_phase_queries, and both passes the sorted indices; the other cases run with
+    bwd_block_phase_queries=0 (the timer's A/B, which the deterministic route leaves off)."""
     from sparse_ref import causal_random_indices
     from test_native_routing import _attend, _bwd_from_lse_delta, _lse_log2, options
 
@@ -232,6 +235,9 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
     monkeypatch.setattr(bwd_mod, "_get_bwd_ws64_kernel", f.get_ws64)
     monkeypatch.setattr(bwd_mod, "_get_postprocess_key_fixed_kernel", f.get_post)
     monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    # (0142: the CPU inputs stand for a device with 132 SMs)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=132))
     g = torch.Generator().manual_seed(heads)
     s, w, topk = 256, 512, 65
     q = torch.randn(1, s, heads, w, generator=g)
@@ -255,12 +261,13 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
         bwd_deterministic_form=form,
         bwd_deterministic_key_groups=int(groups or 1),
         **({"bwd_deterministic_sort": True} if sort is True else {}),
-        **({"bwd_block_phase_queries": 132} if sort == "phase" else {}),
+        **({"bwd_block_phase_queries": 0}
+           if sort != "phase" and _has_option("bwd_block_phase_queries") else {}),
         **({"bwd_deterministic_fine_scales": True} if fine else {}),
     ):
         dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
     assert torch.equal(idx, given), "the caller's indices are left as given"
-    assert f.levers.get("block_phase_queries") == (132 if sort == "phase" else None)
+    assert f.levers.get("block_phase_queries", 0) == (132 if sort == "phase" else 0)
     want = given.sort(-1).values if sort else given
     assert torch.equal(f.indices["bound"], want) and torch.equal(f.indices["adds"], want)
     assert f.checked > s // 2

@@ -647,16 +647,18 @@ ROUTE_WG0 = 1 if has("0141") else 2
 
 def _route_bwd_ws64(sm90, tag="", **extra):
     """The CUDA of 0113's backward at 64 heads and top-k 2051 built as the route builds it (two
-    dKV stages, WG0's chunks, 0120's levers, 0121's timer phase where the tree has it), with
-    `extra` builder options; tag names them, so that tests asking for the same build share one
-    compile."""
+    dKV stages, WG0's chunks, 0120's levers, 0142's query phase for 132 SMs or else 0121's timer
+    phase where the tree has them), with `extra` builder options; tag names them, so that tests
+    asking for the same build share one compile."""
     topk = _round_up(2051, BWD_BLOCK)
-    phase_ns = 8000 if has("0121") else 0
+    queries = 132 if has("0142") else 0
+    phase_ns = 8000 if has("0121") and not queries else 0
     options = dict(runtime_scale=True, dkv_stages=2, wg0_dkv_chunks=ROUTE_WG0, hoist_indices=True,
-                   evict_first_loads=True, **({"block_phase_ns": phase_ns} if phase_ns else {}))
-    src, _, _ = _sm90a(sm90,
-                       f"bwd_ws64 h64 topk {topk} stages 2 wg0 {ROUTE_WG0} hi ef ph{phase_ns}{tag}",
-                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **options, **extra)
+                   evict_first_loads=True, **({"block_phase_ns": phase_ns} if phase_ns else {}),
+                   **({"block_phase_queries": queries} if queries else {}))
+    src, _, _ = _sm90a(
+        sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 {ROUTE_WG0} hi ef ph{phase_ns} pq{queries}{tag}",
+        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **options, **extra)
     return src
 
 
@@ -667,20 +669,27 @@ def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
     """0120: with hoisted indices and evict_first copies issued by hand (TileLang plans no sync
     for them: it does not see their shared writes), 0115's kernel keeps its sequence of barriers,
     waits and arrives, and the copies replace TileLang's, one for one. 0121's timer phase adds
-    one CTA barrier after thread 0 writes the phase slot (read once, never written again)."""
+    one CTA barrier after thread 0 writes the phase slot (read once, never written again);
+    0142's query phase (the route's since 0142) adds none."""
     topk = _round_up(2051, BWD_BLOCK)
-    phase_ns = 8000 if has("0121") else 0
     # (without 0141: the same build as test_bwd_native_ws64_wg0_dkv_chunks's, one compile)
     off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 {ROUTE_WG0}",
                        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
                        dkv_stages=2, wg0_dkv_chunks=ROUTE_WG0)
     on = _route_bwd_ws64(sm90)
     seq_on, seq_off = _ORDERING.findall(on), _ORDERING.findall(off)
-    if phase_ns:
-        assert seq_on[:2] == ["__syncthreads()", "__syncthreads()"] and seq_on[1:] == seq_off
-        phase = re.findall(r"phase\[0\] = [^;]*glm_globaltimer\(\) / \(uint64_t\)8000\)", on)
-        assert len(phase) == 1 and len(re.findall(r"phase\[0\] =", on)) == 1
-    else:
+    if has("0121"):
+        # the timer's phase: the route's build before 0142, an A/B build since
+        timer = on if not has("0142") else _sm90a(
+            sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 {ROUTE_WG0} hi ef ph8000 pq0",
+            bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True, dkv_stages=2,
+            wg0_dkv_chunks=ROUTE_WG0, hoist_indices=True, evict_first_loads=True,
+            block_phase_ns=8000)[0]
+        seq_t = _ORDERING.findall(timer)
+        assert seq_t[:2] == ["__syncthreads()", "__syncthreads()"] and seq_t[1:] == seq_off
+        phase = re.findall(r"phase\[0\] = [^;]*glm_globaltimer\(\) / \(uint64_t\)8000\)", timer)
+        assert len(phase) == 1 and len(re.findall(r"phase\[0\] =", timer)) == 1
+    if has("0142") or not has("0121"):
         assert seq_on == seq_off and "glm_globaltimer" not in on
     assert "L2::evict_first" in on and "L2::evict_first" not in off
     copies = len(re.findall(r"cp_async_gs(?:_conditional)?<16>", off))
@@ -766,27 +775,17 @@ def test_bwd_native_ws64_dkv_evict_last_changes_only_the_add(sm90):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("bwd_block_phase_queries"),
-                    reason="wip/0140 (NativeKernelOptions.bwd_block_phase_queries) is not applied")
+@needs("0142")
 def test_bwd_native_ws64_query_phase_replaces_the_timer(sm90):
-    """wip/0140: with block_phase_queries=q a CTA's walk starts at key block (query * blocks / q)
+    """0142: with block_phase_queries=q a CTA's walk starts at key block (query * blocks / q)
     mod blocks, computed from blockIdx.x where a block is indexed: no timer read, no phase slot
-    and no CTA barrier for it (the kernel's barriers, waits and arrives are those of the build
-    without a phase). At top-k 2051 (33 blocks) and q = 132 that is (blockIdx.x % 132) / 4.
-    Both phases at once, or a negative q, are refused."""
-    topk = _round_up(2051, BWD_BLOCK)
-    # (off: test_bwd_native_ws64_wg0_dkv_chunks's build, one compile)
-    off, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2",
-                       bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
-                       dkv_stages=2, wg0_dkv_chunks=2)
-    on, _, _ = _sm90a(sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 2 hi ef pq132",
-                      bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True,
-                      dkv_stages=2, wg0_dkv_chunks=2, hoist_indices=True,
-                      evict_first_loads=True, block_phase_queries=132)
+    (the ordering: test_bwd_native_ws64_levers_keep_the_ordering). At top-k 2051 (33 blocks) and
+    q = 132 that is (blockIdx.x % 132) / 4. Both phases at once, or a negative q, are refused."""
+    on = _route_bwd_ws64(sm90)  # (that test's build: one compile)
     assert "glm_globaltimer" not in on and "phase[0]" not in on
-    assert _ORDERING.findall(on) == _ORDERING.findall(off)
     walk = re.findall(r"\(\(\(\(int\)blockIdx\.x\) % 132\) / 4\) \+ i_i\w*\) % 33\)", on)
-    assert walk and "% 33" not in off
+    assert len(walk) >= 3  # the blocks the loop and the last block after it index
+    topk = _round_up(2051, BWD_BLOCK)
     for bad in (dict(block_phase_queries=132, block_phase_ns=8000), dict(block_phase_queries=-1)):
         with pytest.raises(AssertionError):
             bwd_mod.sparse_mla_bwd_ws64(64, D_V, topk, runtime_scale=True, dkv_stages=2,

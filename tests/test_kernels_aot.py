@@ -155,7 +155,9 @@ def test_plan_is_the_glm_set(glm_plan):
                     want = dict(want, wg0_dkv_chunks=1 if has("0141") else 2)
                 if has("0120"):  # hoisted indices, evict_first loads
                     want = dict(want, hoist_indices=True, evict_first_loads=True)
-                if has("0121"):  # the timer phase
+                if has("0142"):  # the query's phase, the --sms SMs a phase turn
+                    want = dict(want, block_phase_ns=0, block_phase_queries=132)
+                elif has("0121"):  # the timer phase
                     want = dict(want, block_phase_ns=8000)
                 if has("0133"):  # the row-pair adds
                     want = dict(want, row_pairs=True)

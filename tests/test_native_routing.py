@@ -194,7 +194,7 @@ class KernelFakes:
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
         # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), wip/0130's
         # fast_exp2, wip/0132's async_dq, 0133's row_pairs, wip/0137's dkv_evict_last_mib and
-        # wip/0140's block_phase_queries change no result
+        # 0142's block_phase_queries change no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
                                "fast_exp2", "async_dq", "row_pairs", "dkv_evict_last_mib",
                                "block_phase_queries"}, levers
@@ -254,6 +254,9 @@ def fakes(monkeypatch):
                 "MCORE_DSA_TILELANG_TOPK_BUCKET", "MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")  # whatever the head count
+    # 0142: the 64-row backward reads the device's SM count; the CPU inputs stand for an H200's
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=132))
     # 0070's warp-specialized forward and 0112/0113's 64-row kernels are tested on their own
     # below; the tests here check the pipelined forward's and the head-block backward's build
     # arguments
@@ -661,7 +664,9 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         assert bwd[0]["wg0_dkv_chunks"] == (1 if has("0141") else 2 if has("0115") else 0)
         if has("0120"):  # by default a block's indices loaded once, evict_first loads
             assert bwd[0]["hoist_indices"] and bwd[0]["evict_first_loads"]
-        if has("0121"):  # by default the timer phase, over each query's indices sorted by key
+        if has("0142"):  # by default the query's phase (the device's SMs), indices sorted
+            assert bwd[0]["block_phase_queries"] == 132 and bwd[0]["block_phase_ns"] == 0
+        elif has("0121"):  # by default the timer phase, over each query's indices sorted by key
             assert bwd[0]["block_phase_ns"] == 8000
     sorted_bwd = _bwd_sorts(bwd[0]["kind"])
     for c in fakes.calls:
@@ -789,15 +794,14 @@ def _backward_builds(fakes, heads, **fields):
 
 
 @needs_tilelang
-@pytest.mark.skipif(not _has_option("bwd_block_phase_queries"),
-                    reason="wip/0140 (NativeKernelOptions.bwd_block_phase_queries) is not applied")
+@needs("0142")
 @pytest.mark.parametrize("heads", [16, 32, 64])
-@pytest.mark.parametrize("queries", [0, 132])
-def test_native_64_row_backward_query_phase(fakes, heads, queries):
-    """wip/0140: bwd_block_phase_queries=q reaches the 64-row backward's builder as
-    block_phase_queries with the timer phase off (block_phase_ns 0), and the kernel gets each
-    query's indices sorted by key as with the timer; 0 (the default): the series' own call,
-    without the argument. The gradients through the hook, on indices in score order, are the
+@pytest.mark.parametrize("queries,want", [(-1, 132), (66, 66), (0, 0)])
+def test_native_64_row_backward_query_phase(fakes, heads, queries, want):
+    """0142: bwd_block_phase_queries reaches the 64-row backward's builder as
+    block_phase_queries (-1, the default: the device's SM count) with the timer phase off
+    (block_phase_ns 0); 0 gives 0121's timer phase. Either way the kernel gets each query's
+    indices sorted by key. The gradients through the hook, on indices in score order, are the
     reference's."""
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
@@ -808,8 +812,8 @@ def test_native_64_row_backward_query_phase(fakes, heads, queries):
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
     built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
     assert [b["kind"] for b in built] == ["bwd_ws64"]
-    assert built[0].get("block_phase_queries") == (queries or None)
-    assert built[0]["block_phase_ns"] == (0 if queries else 8000)
+    assert built[0]["block_phase_queries"] == want
+    assert built[0]["block_phase_ns"] == (0 if want else 8000)
     (call,) = [c for c in fakes.calls if c["kind"] == "bwd"]
     assert torch.equal(call["indices"].view(-1, topk), idx.view(-1, topk).sort(-1).values)
 

@@ -21,8 +21,8 @@ SCALE = 512 ** -0.5  # the default scale of every case (0108 also runs others)
 def phase_off():
     """NativeKernelOptions fields that turn 0121's timer phase off (where it is in the tree): with
     it dq sums its key blocks in a timer-given order at 32/64 heads (0134: and 16), so two calls
-    are not bitwise equal."""
-    return {"bwd_block_phase_ns": 0} if has("0121") else {}
+    are not bitwise equal. 0142's query phase, the default since, keeps the order fixed."""
+    return {"bwd_block_phase_ns": 0} if has("0121") and not has("0142") else {}
 DEV = "cuda"
 
 
@@ -132,18 +132,22 @@ def test_native_backward_wg0_dkv_chunks_match_fp32_reference(monkeypatch, heads,
                                            bwd_wg0_dkv_chunks=wg0_chunks)
 
 
-# 0120/0121: 0113's backward with each of its levers on alone, and all off (0115's kernel); every
-# other 32/64-head case runs the defaults (all on). The indices come in random order, as an
-# indexer's score order gives them: with the phase on the backward sorts each row (in place only
-# in a padded copy of its own), and the helper checks that the caller's indices are left as given.
+# 0120/0121/0142: 0113's backward with each of its levers on alone (block_phase: 0121's timer,
+# query_phase: 0142's), and all off (0115's kernel); every other 16/32/64-head case runs the
+# defaults (all on, the query's phase). The indices come in random order, as an indexer's score
+# order gives them: with a phase the backward sorts each row (in place only in a padded copy of
+# its own), and the helper checks that the caller's indices are left as given.
 @needs("0121")
 @pytest.mark.parametrize("topk", [65, 2080])
 @pytest.mark.parametrize("heads", [32, 64])
-@pytest.mark.parametrize("lever", ["none", "hoist_indices", "evict_first_loads", "block_phase"])
+@pytest.mark.parametrize("lever", ["none", "hoist_indices", "evict_first_loads", "block_phase",
+                                   pytest.param("query_phase", marks=needs("0142"))])
 def test_native_backward_levers_match_fp32_reference(monkeypatch, heads, topk, lever):
     levers = dict(bwd_hoist_indices=lever == "hoist_indices",
                   bwd_evict_first_loads=lever == "evict_first_loads",
-                  bwd_block_phase_ns=8000 if lever == "block_phase" else 0)
+                  bwd_block_phase_ns=8000 if lever == "block_phase" else 0,
+                  **({"bwd_block_phase_queries": -1 if lever == "query_phase" else 0}
+                     if has("0142") else {}))
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + len(lever), 9,
                                            shuffle=True, **levers)
 
@@ -430,29 +434,27 @@ def test_native_backward_dkv_evict_last_matches_fp32_reference(monkeypatch, head
                                            bwd_dkv_evict_last_mib=mib)
 
 
-# wip/0140 (issues #17, #21), in runs that apply it with WIP_PATCHES: the 64-row backward's first
-# key block given by the query instead of the timer, over shuffled indices (the route sorts
-# them), against the FP32 reference; dq bitwise equal over repeated calls (its blocks' order no
-# longer follows the timer; dk's fp32 adds still differ), and the deterministic fp32 form with it
-# bitwise equal over repeated calls, dk bitwise the timer-free form's (the adds are order-free).
-@pytest.mark.skipif(not _has_option("bwd_block_phase_queries"),
-                    reason="wip/0140 (NativeKernelOptions.bwd_block_phase_queries) is not applied")
+# 0142 (issues #17, #21): the 64-row backward's first key block given by the query (the default),
+# over shuffled indices (the route sorts them), against the FP32 reference at 16 and 64 heads;
+# out and dq bitwise equal over repeated calls (the blocks' order no longer follows the timer;
+# dk's fp32 adds still differ). With wip/0127 applied, the deterministic fp32 form with the phase
+# bitwise equal over repeated calls, and its dk bitwise the phase-free form's (order-free adds).
+@needs("0142")
 @pytest.mark.parametrize("heads,topk", [(16, 2051), (64, 65), (64, 2051)])
 def test_native_backward_query_phase(monkeypatch, heads, topk):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 59, 5,
-                                           shuffle=True, bwd_block_phase_queries=132)
+                                           shuffle=True)
     q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk + 3)
-    with override_native_kernel_options(bwd_block_phase_queries=132):
-        first = run_fused(q, k, idx, do)
-        again = run_fused(q, k, idx, do)
+    first = run_fused(q, k, idx, do)
+    again = run_fused(q, k, idx, do)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]), (
         "out or dq differs between two identical runs")
     if _has_option("bwd_deterministic_form"):
         opts = dict(bwd_deterministic=True, bwd_deterministic_form="fp32")
-        with override_native_kernel_options(**opts, bwd_block_phase_queries=132):
+        with override_native_kernel_options(**opts):
             det = run_fused(q, k, idx, do)
             assert_bitwise(det, run_fused(q, k, idx, do), "differs between two identical runs")
-        with override_native_kernel_options(**opts):
+        with override_native_kernel_options(**opts, bwd_block_phase_queries=0):
             plain = run_fused(q, k, idx, do)
         assert torch.equal(det[2], plain[2]), "dk depends on the phase"
 
