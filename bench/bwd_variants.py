@@ -28,7 +28,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   heads native_ws64 (warpgroup roles: WG0 scores, P, dS and half of dQ; WG1 the other half and dKV)
   and native_ws64_s2 (0114: two dKV accumulator stages); with 0115 native_ws64_s2_w1/w2/w3 (WG0
   computes and adds the first 1/2/3 dKV chunks of each block); with wip/0135 (in wip/STACK) the
-  route's kernel's timing probes (native_ws64_s2_w2_hi_ef_ph8000_rp_<probe>): _no_atomic /
+  route's kernel's timing probes (native_ws64_s2_w1_hi_ef_pq132_rp_<probe>; before .27
+  native_ws64_s2_w2_hi_ef_ph8000_rp_<probe>): _no_atomic /
   _no_gather / _no_dkv (no dKV GEMMs and adds) / _no_sdp (WG0 without the S and dP GEMMs);
   with WIP_PATCHES=wip/0116 native_ws64_addwg
   (a third warpgroup adds dKV from a shared-memory chunk stage); with WIP_PATCHES=wip/0118
@@ -40,8 +41,10 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   native_ws64_s2_w2_ef / _hi_ef (0120: Q, dO and the KV gather evict_first in L2) and _ph<t> /
   _hi_ef_ph<t> (0121: a CTA's first key block from the global timer, --block-phase-ns;
   --unsorted shuffles each query's indices) and _hi_ef_ph<t>_rp (0133: the dKV adds by lane
-  pairs, the route's kernel since .25); with wip/0137 _hi_ef_ph<t>_rp_el24/_el32/_el40 (the
-  pairs' adds with an L2 cache policy, evict_last for the accumulator's first that many MiB);
+  pairs, the route's kernel in .25 and .26) and native_ws64_s2_w1_hi_ef_pq132_rp (0141/0142: WG0
+  one chunk, the query's phase for 132 SMs: the route's kernel since .27); with wip/0137
+  _hi_ef_ph<t>_rp_el24/_el32/_el40 (the pairs' adds with an L2 cache policy, evict_last for the
+  accumulator's first that many MiB);
   with 0134 (the route's since .26) or wip/0124 also at 16 heads (the ws64 kernel as 64 rows);
   with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
   dKV at the scale _fixed_point_scale picks on the device, built with the run-time softmax scale
@@ -131,20 +134,26 @@ def chunk_variants(heads):
                 v[f"native_ws64_s2_w2_ph{t}"] = dict(v["native_ws64_s2_w2"], block_phase_ns=t)
                 v[f"native_ws64_s2_w2_hi_ef_ph{t}"] = dict(v["native_ws64_s2_w2_hi_ef"],
                                                            block_phase_ns=t)
-                if "row_pairs" in ws64:  # 0133: the dKV adds by lane pairs (the route's kernel)
+                if "row_pairs" in ws64:  # 0133: the dKV adds by lane pairs (the route's until .27)
                     rp = v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp"] = dict(
                         v[f"native_ws64_s2_w2_hi_ef_ph{t}"], row_pairs=True)
                     if "dkv_evict_last_mib" in ws64:  # wip/0137: the pairs' adds, L2 policy
                         for mib in (24, 32, 40):
                             v[f"native_ws64_s2_w2_hi_ef_ph{t}_rp_el{mib}"] = dict(
                                 rp, dkv_evict_last_mib=mib)
+        if "block_phase_queries" in ws64 and "row_pairs" in ws64 and "native_ws64_s2_w2_hi_ef" in v:
+            # 0141/0142: the route's kernel (WG0 one chunk, the query's phase for 132 SMs)
+            v["native_ws64_s2_w1_hi_ef_pq132_rp"] = dict(
+                v["native_ws64_s2_w2_hi_ef"], wg0_dkv_chunks=1, block_phase_queries=132,
+                row_pairs=True)
         if "l2_hint" in ws64:  # wip/0119-l2-hints: L2 eviction hints on 0115's default kernel
             for tag, mode in L2_HINTS.items():
                 v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)
         if hasattr(bwd_mod, "sparse_mla_bwd_ws64_add_wg"):  # wip/0116: an add warpgroup
             v["native_ws64_addwg"] = dict(base, add_wg=True)
         if "probe" in ws64:  # wip/0135: timing probes of the route's kernel (wrong results)
-            pbase = next(n for n in ("native_ws64_s2_w2_hi_ef_ph8000_rp", "native_ws64_s2_w2",
+            pbase = next(n for n in ("native_ws64_s2_w1_hi_ef_pq132_rp",
+                                     "native_ws64_s2_w2_hi_ef_ph8000_rp", "native_ws64_s2_w2",
                                      "native_ws64_s2") if n in v)
             for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp"):
                 v[f"{pbase}_{probe}"] = dict(v[pbase], probe=probe)

@@ -15,8 +15,9 @@ padded: #7617's zero-pad to 576, megatron's own layout), each query-head count a
 scale, one fused forward+backward runs through dsa_kernels.run_fused_absorbed_sparse_attention on
 CPU with the kernel getters (_get_*_kernel of ops/tilelang_sparse_mla_{fwd,bwd}.py) replaced by
 recorders: what the getters receive there is what they receive on the GPU (the wrappers' own
-bucketing, head blocks, schedule and NativeKernelOptions defaults), except the persistent 16-head
-forward's CTA count, which is the GPU's SM count (--sms, 132 on an H200). The DSA indexer the
+bucketing, head blocks, schedule and NativeKernelOptions defaults), except the GPU's SM count,
+which sets the persistent 16-head forward's CTA count and the 64-row backward's key-block phase
+(patch 0142) (--sms, 132 on an H200). The DSA indexer the
 same way: for each index head count, dsa_kernels.run_fused_qk_topk (DSAttention without an indexer
 loss) and, for each query-head count and scale, run_fused_qk_topk_with_loss (the sparse indexer
 loss) and its backward, on CPU with the getters of ops/tilelang_indexer_{fwd,bwd,loss}.py
@@ -696,7 +697,8 @@ def main(argv=None):
     ap.add_argument("--scale", type=float, nargs="+", default=[GLM_SCALE],
                     help="softmax scales (each kernel is built for one; default 512**-0.5)")
     ap.add_argument("--sms", type=int, default=H200_SMS,
-                    help="SMs of the GPU (the persistent 16-head forward launches one CTA each)")
+                    help="SMs of the GPU (the persistent 16-head forward launches one CTA each; "
+                         "the 64-row backward's key-block phase turns every that many queries)")
     ap.add_argument("--index-heads", type=int, nargs="+", default=[INDEX_HEADS],
                     help="DSA indexer heads, dsa_indexer_n_heads (default 32: an assumption)")
     ap.add_argument("--index-dim", type=int, default=INDEX_DIM,

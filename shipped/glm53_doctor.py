@@ -108,9 +108,29 @@ def shipped_kernels(label):
                             "the same target only on an H100/H200 where it finds a CUDA folder)")
         elif not same:
             problems.append(f"TILELANG_DEFAULT_TARGET is {target}, not {json.dumps(m['target'])}")
+        partly = ""
+        sms = _sm_count()
+        if not problems and m.get("sms") and sms and sms != m["sms"]:
+            # the persistent 16-head forward's CTA count and the 64-row backward's key-block
+            # phase are built for the SM count: those kernels miss the archive on another part
+            partly = (f"; built for {m['sms']} SMs, this GPU has {sms}: the 16-head forward and "
+                      f"the 16/32/64-head backward are not among them; {compiles}")
         lines.append(f"shipped kernels: {what}" + (
-            f"; NOT USABLE AS IS: {'; '.join(problems)}; {compiles}" if problems else ""))
+            f"; NOT USABLE AS IS: {'; '.join(problems)}; {compiles}" if problems else partly))
     return "\n".join(lines)
+
+
+def _sm_count():
+    """The current GPU's SM count, or None without one."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            return props.multi_processor_count
+    except Exception:  # the doctor reports; a broken torch shows up in its own line
+        pass
+    return None
 
 
 def causal_indices(tokens, topk, device):

@@ -117,6 +117,25 @@ def test_shipped_kernels_line(monkeypatch, tmp_path, target, usable):
     assert "TileLang here is 0.1.16" in glm53_doctor.shipped_kernels("glm53nope.99")
 
 
+def test_shipped_kernels_line_names_another_sm_count(monkeypatch, tmp_path):
+    """Patch 0142 (and 0070's persistent forward): the archive is built for one SM count; on a
+    GPU with another the doctor says which kernels miss it; with the same count, or no GPU,
+    nothing."""
+    import json
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TILELANG_DEFAULT_TARGET", '{"arch": "sm_90a", "kind": "cuda"}')
+    monkeypatch.setattr(glm53_doctor, "_version", lambda *a: "0.1.15")
+    _manifest(tmp_path)
+    path = tmp_path / "glm53-kernels-glm53nope.99.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), sms=132)))
+    for here, said in ((114, True), (132, False), (None, False)):
+        monkeypatch.setattr(glm53_doctor, "_sm_count", lambda: here)
+        line = glm53_doctor.shipped_kernels("glm53nope.99")
+        assert ("built for 132 SMs, this GPU has 114" in line) == said, line
+        assert "NOT USABLE" not in line
+
+
 def test_usage_without_doctor_subcommand(capsys):
     assert glm53_doctor.main([]) == 2
     assert "usage" in capsys.readouterr().err

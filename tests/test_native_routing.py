@@ -796,26 +796,28 @@ def _backward_builds(fakes, heads, **fields):
 @needs_tilelang
 @needs("0142")
 @pytest.mark.parametrize("heads", [16, 32, 64])
-@pytest.mark.parametrize("queries,want", [(-1, 132), (66, 66), (0, 0)])
-def test_native_64_row_backward_query_phase(fakes, heads, queries, want):
+@pytest.mark.parametrize("queries,ns,want", [(-1, 8000, 132), (66, 8000, 66), (0, 8000, 0),
+                                             (0, 0, 0)])
+def test_native_64_row_backward_query_phase(fakes, heads, queries, ns, want):
     """0142: bwd_block_phase_queries reaches the 64-row backward's builder as
     block_phase_queries (-1, the default: the device's SM count) with the timer phase off
-    (block_phase_ns 0); 0 gives 0121's timer phase. Either way the kernel gets each query's
-    indices sorted by key. The gradients through the hook, on indices in score order, are the
-    reference's."""
+    (block_phase_ns 0); 0 gives 0121's timer phase (bwd_block_phase_ns). With either phase the
+    kernel gets each query's indices sorted by key; with both fields 0, none, and the indices as
+    given. The gradients through the hook, on indices in score order, are the reference's."""
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     g = torch.Generator().manual_seed(heads)
     idx = idx.gather(-1, torch.rand(idx.shape, generator=g).argsort(-1))
-    with options(bwd_ws64=True, bwd_block_phase_queries=queries):
+    with options(bwd_ws64=True, bwd_block_phase_queries=queries, bwd_block_phase_ns=ns):
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
     built = [b for b in fakes.builds if b["kind"].startswith("bwd")]
     assert [b["kind"] for b in built] == ["bwd_ws64"]
     assert built[0]["block_phase_queries"] == want
-    assert built[0]["block_phase_ns"] == (0 if want else 8000)
+    assert built[0]["block_phase_ns"] == (0 if want else ns)
     (call,) = [c for c in fakes.calls if c["kind"] == "bwd"]
-    assert torch.equal(call["indices"].view(-1, topk), idx.view(-1, topk).sort(-1).values)
+    given = idx.view(-1, topk)
+    assert torch.equal(call["indices"].view(-1, topk), given.sort(-1).values if want or ns else given)
 
 
 @needs_tilelang

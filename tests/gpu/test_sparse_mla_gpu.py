@@ -19,10 +19,14 @@ SCALE = 512 ** -0.5  # the default scale of every case (0108 also runs others)
 
 
 def phase_off():
-    """NativeKernelOptions fields that turn 0121's timer phase off (where it is in the tree): with
-    it dq sums its key blocks in a timer-given order at 32/64 heads (0134: and 16), so two calls
-    are not bitwise equal. 0142's query phase, the default since, keeps the order fixed."""
-    return {"bwd_block_phase_ns": 0} if has("0121") and not has("0142") else {}
+    """NativeKernelOptions fields that turn the 64-row backward's key-block phase off (where the
+    tree has it): every CTA walks from block 0 over the indices as given. With 0121's timer phase
+    dq sums its key blocks in a timer-given order (two calls are not bitwise equal); with either
+    phase the route sorts each row, which moves -1 and out-of-range entries (0142's query phase,
+    the default, is the same on every run but sorts too)."""
+    if not has("0121"):
+        return {}
+    return dict(bwd_block_phase_ns=0, **({"bwd_block_phase_queries": 0} if has("0142") else {}))
 DEV = "cuda"
 
 
@@ -394,7 +398,7 @@ def test_native_backward_async_dq_matches_fp32_reference(monkeypatch, heads, top
 # trade half their values (a warp's add covers 4 rows x 128 B; the default, asked for here). A
 # lane adds its partner's row too, so -1 entries on either side of a pair matter: top-k 65 (the
 # last block mostly -1), rows with no valid index, indices in random order with their -1 entries
-# among them (0121's timer phase off: it would sort them); one and two dKV stages, WG0 chunk
+# among them (the key-block phase off: it would sort them); one and two dKV stages, WG0 chunk
 # splits 0, 2 and 3 (every add_chunk call site), against the FP32 reference.
 @pytest.mark.skipif(not _has_option("bwd_ws64_row_pairs"),
                     reason="0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not in the tree")
@@ -409,8 +413,9 @@ def test_native_backward_row_pairs_matches_fp32_reference(monkeypatch, heads, to
                                            **phase_off())
 
 
-# 0134 (issue #17): 16 kernel heads through the 64-row backward (48 zero rows), with 0121's timer
-# phase as the route runs it, with and without 0133's row-pair adds, against the FP32 reference.
+# 0134 (issue #17): 16 kernel heads through the 64-row backward (48 zero rows), with the key-block
+# phase the route runs (0121's timer; 0142's query phase since), with and without 0133's row-pair
+# adds, against the FP32 reference.
 @needs("0134")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("pairs", [False, True])
@@ -663,7 +668,7 @@ def test_native_out_of_range_index_counts_as_minus_one(monkeypatch, heads, sk):
     bad[0, :, 1012:1016] = -7
     bad[0, 9] = sk  # a row of nothing but out-of-range indices
     ref = torch.where((bad >= 0) & (bad < sk), bad, torch.full_like(bad, -1))
-    # without 0121's timer phase (and its index sort) dq sums the same key blocks in the same
+    # without a key-block phase (and its index sort) dq sums the same key blocks in the same
     # order: bitwise equal
     with override_native_kernel_options(**phase_off()):
         got, want = run_fused(q, k, bad, do), run_fused(q, k, ref, do)
