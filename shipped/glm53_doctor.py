@@ -55,20 +55,23 @@ def report(out):
                                ("flash_mla", "sgl-flash-mla", "flash_mla"),
                                ("cudnn-frontend", "nvidia-cudnn-frontend", None)):
         out(f"{name} {_version(dist, module) or 'not installed'}")
+    sms = None
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         out(f"GPU {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+        sms = torch.cuda.get_device_properties().multi_processor_count
     else:
         out("GPU none (torch.cuda.is_available() is False)")
     if manifest:
         out(f"patches ({len(manifest.PATCHES)}): " + ", ".join(n[:4] for n, _ in manifest.PATCHES))
-    out(shipped_kernels(manifest.LOCAL_LABEL if manifest else None))
+    out(shipped_kernels(manifest.LOCAL_LABEL if manifest else None, sms))
     return torch, manifest
 
 
-def shipped_kernels(label):
+def shipped_kernels(label, sms=None):
     """The shipped-kernels line: the archive `make kernels` builds (glm53-kernels-<label>-*.tar.xz),
-    unpacked into TileLang's cache folder, and whether this process's lookups can reach it."""
+    unpacked into TileLang's cache folder, and whether this process's lookups can reach it (sms:
+    this GPU's SM count, None without one)."""
     import glob
     import json
 
@@ -109,7 +112,6 @@ def shipped_kernels(label):
         elif not same:
             problems.append(f"TILELANG_DEFAULT_TARGET is {target}, not {json.dumps(m['target'])}")
         partly = ""
-        sms = _sm_count()
         if not problems and m.get("sms") and sms and sms != m["sms"]:
             # the persistent 16-head forward's CTA count and the 64-row backward's key-block
             # phase are built for the SM count: those kernels miss the archive on another part
@@ -118,19 +120,6 @@ def shipped_kernels(label):
         lines.append(f"shipped kernels: {what}" + (
             f"; NOT USABLE AS IS: {'; '.join(problems)}; {compiles}" if problems else partly))
     return "\n".join(lines)
-
-
-def _sm_count():
-    """The current GPU's SM count, or None without one."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(torch.cuda.current_device())
-            return props.multi_processor_count
-    except Exception:  # the doctor reports; a broken torch shows up in its own line
-        pass
-    return None
 
 
 def causal_indices(tokens, topk, device):

@@ -3,8 +3,6 @@ with a fixed-point scale for each key. Its kernels need a GPU (tests/gpu); the s
 every lane's sum in range are plain torch, checked here on CPU. Skips while the draft is not
 applied to the tree under test."""
 
-import types
-
 import pytest
 import torch
 
@@ -228,16 +226,14 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
     block_phase_queries, and both passes the sorted indices; the other cases run with
     bwd_block_phase_queries=0 (the timer's A/B, which the deterministic route leaves off)."""
     from sparse_ref import causal_random_indices
-    from test_native_routing import _attend, _bwd_from_lse_delta, _lse_log2, options
+    from test_native_routing import _attend, _bwd_from_lse_delta, _fake_sm_count, _lse_log2, options
 
     f = KeyFixedFakes()
     monkeypatch.setattr(bwd_mod, "_get_bwd_key_bound_kernel", f.get_bound)
     monkeypatch.setattr(bwd_mod, "_get_bwd_ws64_kernel", f.get_ws64)
     monkeypatch.setattr(bwd_mod, "_get_postprocess_key_fixed_kernel", f.get_post)
     monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
-    # (0142: the CPU inputs stand for a device with 132 SMs)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: types.SimpleNamespace(multi_processor_count=132))
+    _fake_sm_count(monkeypatch, 132)  # (0142: the CPU inputs stand for a device with 132 SMs)
     g = torch.Generator().manual_seed(heads)
     s, w, topk = 256, 512, 65
     q = torch.randn(1, s, heads, w, generator=g)

@@ -5,6 +5,7 @@ itself is stood in for by the kernel-contract reference on CPU; the installed wh
 a machine without a GPU is checked in test_wheel.py."""
 import pathlib
 import sys
+import types
 
 import pytest
 import torch
@@ -70,6 +71,8 @@ def test_verdict_is_the_last_line_with_its_exit_code(monkeypatch, status, code, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(glm53_doctor, "fused_call", lambda *a, **k: (status, "details"))
     lines = []
     assert glm53_doctor.doctor([], out=lines.append) == code
@@ -130,8 +133,7 @@ def test_shipped_kernels_line_names_another_sm_count(monkeypatch, tmp_path):
     path = tmp_path / "glm53-kernels-glm53nope.99.json"
     path.write_text(json.dumps(dict(json.loads(path.read_text()), sms=132)))
     for here, said in ((114, True), (132, False), (None, False)):
-        monkeypatch.setattr(glm53_doctor, "_sm_count", lambda: here)
-        line = glm53_doctor.shipped_kernels("glm53nope.99")
+        line = glm53_doctor.shipped_kernels("glm53nope.99", here)
         assert ("built for 132 SMs, this GPU has 114" in line) == said, line
         assert "NOT USABLE" not in line
 

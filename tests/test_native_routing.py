@@ -255,8 +255,7 @@ def fakes(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")  # whatever the head count
     # 0142: the 64-row backward reads the device's SM count; the CPU inputs stand for an H200's
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: types.SimpleNamespace(multi_processor_count=132))
+    _fake_sm_count(monkeypatch, 132)
     # 0070's warp-specialized forward and 0112/0113's 64-row kernels are tested on their own
     # below; the tests here check the pipelined forward's and the head-block backward's build
     # arguments
@@ -320,14 +319,14 @@ def _run_hook(fakes, query, key, idx, scale):
     return out, grad, log.shapes
 
 
-def _seven_sm_device(monkeypatch):
-    """torch.cuda.get_device_properties faked: the CPU inputs stand for a device with 7 SMs.
+def _fake_sm_count(monkeypatch, sms):
+    """torch.cuda.get_device_properties faked: the CPU inputs stand for a device with `sms` SMs.
     Returns the list of devices it is asked about."""
     asked = []
 
     def props(device):
         asked.append(torch.device(device))
-        return types.SimpleNamespace(multi_processor_count=7)
+        return types.SimpleNamespace(multi_processor_count=sms)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     return asked
@@ -602,7 +601,7 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
     the default). At 16 kernel heads it is persistent, one CTA per SM of the input's device,
     unless fwd_ws_persistent=False; at 32 a CTA a query. The backward is the same."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
-    asked = _seven_sm_device(monkeypatch)
+    asked = _fake_sm_count(monkeypatch, 7)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     with options(fwd_warp_specialized=ws, fwd_ws_persistent=persist):
@@ -710,7 +709,7 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
     """wip/0129: NativeKernelOptions.fwd_ws64_persistent builds 0112's forward with one CTA an SM
     of the query's device; off (the default), a CTA a query, without asking the device. The
     gradients through the hook are the reference's either way."""
-    asked = _seven_sm_device(monkeypatch)
+    asked = _fake_sm_count(monkeypatch, 7)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     with options(fwd_ws64=True, fwd_ws64_persistent=persist):  # 0112 off (the fixture)
@@ -732,7 +731,7 @@ def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
     and the 64-row backward's (at 16 heads too since 0134; the head-block kernel, which 16 heads
     take without 0134, keeps exp2f); off (the default), their calls are the series' own, without
     the argument. The gradients through the hook are the reference's either way."""
-    _seven_sm_device(monkeypatch)  # 0070's persistent forward asks for the SM count
+    _fake_sm_count(monkeypatch, 7)  # 0070's persistent forward asks for the SM count
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     # the fixture turns the warp-specialized and 64-row kernels off
