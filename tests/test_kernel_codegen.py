@@ -648,8 +648,8 @@ ROUTE_WG0 = 1 if has("0141") else 2
 def _route_bwd_ws64(sm90, tag="", **extra):
     """The CUDA of 0113's backward at 64 heads and top-k 2051 built as the route builds it (two
     dKV stages, WG0's chunks, 0120's levers, 0142's query phase for 132 SMs or else 0121's timer
-    phase where the tree has them), with `extra` builder options; tag names them, so that tests
-    asking for the same build share one compile."""
+    phase where the tree has them), with `extra` builder options in their place; tag names them,
+    so that tests asking for the same build share one compile."""
     topk = _round_up(2051, BWD_BLOCK)
     queries = 132 if has("0142") else 0
     phase_ns = 8000 if has("0121") and not queries else 0
@@ -658,7 +658,7 @@ def _route_bwd_ws64(sm90, tag="", **extra):
                    **({"block_phase_queries": queries} if queries else {}))
     src, _, _ = _sm90a(
         sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 {ROUTE_WG0} hi ef ph{phase_ns} pq{queries}{tag}",
-        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **options, **extra)
+        bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, **dict(options, **extra))
     return src
 
 
@@ -680,11 +680,8 @@ def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
     seq_on, seq_off = _ORDERING.findall(on), _ORDERING.findall(off)
     if has("0121"):
         # the timer's phase: the route's build before 0142, an A/B build since
-        timer = on if not has("0142") else _sm90a(
-            sm90, f"bwd_ws64 h64 topk {topk} stages 2 wg0 {ROUTE_WG0} hi ef ph8000 pq0",
-            bwd_mod.sparse_mla_bwd_ws64, 64, D_V, topk, runtime_scale=True, dkv_stages=2,
-            wg0_dkv_chunks=ROUTE_WG0, hoist_indices=True, evict_first_loads=True,
-            block_phase_ns=8000)[0]
+        timer = on if not has("0142") else _route_bwd_ws64(
+            sm90, " timer", block_phase_queries=0, block_phase_ns=8000)
         seq_t = _ORDERING.findall(timer)
         assert seq_t[:2] == ["__syncthreads()", "__syncthreads()"] and seq_t[1:] == seq_off
         phase = re.findall(r"phase\[0\] = [^;]*glm_globaltimer\(\) / \(uint64_t\)8000\)", timer)
