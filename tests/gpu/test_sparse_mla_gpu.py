@@ -1,6 +1,11 @@
 """The patched fused path with the real TileLang SparseMLA kernels on a GPU, against an FP32
 reference computed on the unpadded inputs, and GLM-5.3-Flash shapes through the DSAttention hook.
 NoPE (width 512) runs both routes: the native tail-free kernels and #7617's zero-padding to 576."""
+import hashlib
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -218,6 +223,54 @@ def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
     ref = run_reference(q, k, idx, do)
     err, err_default = rel_l2(first[2], ref[2]), rel_l2(default[2], ref[2])
     assert err <= 1.02 * err_default, f"dk {err:.3e} against the default's {err_default:.3e}"
+
+
+def deterministic_grads_sha256(heads, options):
+    """The SHA-256 of out, dq and dk (their bits) of one native fwd+bwd with NativeKernelOptions
+    `options` on fixed inputs (1024 queries, top-k 2051, from a CPU generator: the same in every
+    process), on the route that MCORE_DSA_TILELANG_NOPE names."""
+    q, k, do, idx = make(1024, heads, 512, 2051, seed=heads + 37)
+    with override_native_kernel_options(**options):
+        got = run_fused(q, k, idx, do)
+    h = hashlib.sha256()
+    for t in got:
+        h.update(t.contiguous().view(torch.int16).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+# What a fresh process runs: this module's helper, found through the parent's sys.path (the
+# installed wheel or build/tree, tests/ and tests/gpu).
+_CHILD = ("import sys, ast; import test_sparse_mla_gpu as t; "
+          "print(t.deterministic_grads_sha256(int(sys.argv[1]), ast.literal_eval(sys.argv[2])))")
+
+
+# Issue #21: the deterministic backward's out, dq and dk bitwise equal over three calls in one
+# process and in a fresh process (a new CUDA context, allocator and kernel load: nothing of this
+# process's state carries over), at 16/32/64 heads, in the route's default form and, where the
+# tree has them, the per-key forms.
+@pytest.mark.skipif(not _has_option("bwd_deterministic"),
+                    reason="NativeKernelOptions.bwd_deterministic (issue #21) is not in the tree")
+@pytest.mark.parametrize("heads", [16, 32, 64])
+@pytest.mark.parametrize("form", ["default", pytest.param("int32x2", marks=pytest.mark.skipif(
+    not _has_option("bwd_deterministic_form"),
+    reason="NativeKernelOptions.bwd_deterministic_form is not in the tree")), pytest.param(
+    "fp32+fine", marks=pytest.mark.skipif(
+        not _has_option("bwd_deterministic_fine_scales"),
+        reason="NativeKernelOptions.bwd_deterministic_fine_scales is not in the tree"))])
+def test_native_deterministic_backward_bitwise_across_processes(monkeypatch, form, heads):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    options = dict(bwd_deterministic=True)
+    if form != "default":
+        options.update(bwd_deterministic_form=form.split("+")[0],
+                       **({"bwd_deterministic_fine_scales": True} if "+fine" in form else {}))
+    here = [deterministic_grads_sha256(heads, options) for _ in range(3)]
+    assert len(set(here)) == 1, f"three calls in one process differ: {here}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(heads), repr(options)], env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, f"the fresh process failed: {child.stderr[-3000:]}"
+    assert (child.stdout.split() or [""])[-1] == here[0], "a fresh process gives other bits"
 
 
 # wip/0138 (issue #21), in runs that apply it with WIP_PATCHES: the deterministic backward with
