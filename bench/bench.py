@@ -22,15 +22,17 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 32-head backward blocks at 64 heads), 32k/64 heads; this row and the dkv rows
                 below also set bwd_ws64=False (0113's kernel replaces the head-block backward
                 they vary at 32 and 64 heads)
-  native_deterministic 512/2051  with wip/0124 applied: NativeKernelOptions(bwd_deterministic=True);
-                bitwise_repeat (3 calls' dq and dk bitwise equal) and grads_sha256; with
+  native_deterministic 512/2051  NativeKernelOptions(bwd_deterministic=True) (0150-0152, what
+                megatron's deterministic_mode selects: at 16/32/64 kernel heads the per-key fp32
+                form with fine scales, elsewhere int64 fixed point); bitwise_repeat (3 calls' dq
+                and dk bitwise equal) and grads_sha256 (compare it across processes); with
                 wip/0138 also native_deterministic_sorted (bwd_deterministic_sort)
-  native_deterministic_int32x2, native_deterministic_fp32, native_deterministic_fp32g4 512/2051
-                with wip/0127 applied: the same with bwd_deterministic_form (a fixed-point scale
-                for each key; g4: bwd_deterministic_key_groups=4); at 16/32/64 kernel heads only
-                (other head counts keep 0124's int64 form whatever the row's name); with wip/0138
-                each also as _sorted (bwd_deterministic_sort: the indices sorted by key); with
-                wip/0139 also native_deterministic_fp32fine (bwd_deterministic_fine_scales)
+  native_deterministic_int64, native_deterministic_int32x2, native_deterministic_fp32,
+  native_deterministic_fp32g4 512/2051  the same with bwd_deterministic_form (0150's one scale;
+                0151's scale for each key; _fp32: 0151's power-of-two scales, without 0152's
+                fine ones; g4: bwd_deterministic_key_groups=4); at 16/32/64 kernel heads only
+                (other head counts keep 0150's int64 form whatever the row's name); with wip/0138
+                each also as _sorted (bwd_deterministic_sort: the indices sorted by key)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads
   native_dkv_staged 512/2051  the same with NativeKernelOptions(bwd_dkv_lines=False) (without 0106:
@@ -544,19 +546,19 @@ def run(args):
             if heads == 64 and L == 32768:  # A/B of patch 0100 (one 64-head backward block)
                 add("native_bh32", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx,
                                                        options=dict(head_block, bwd_max_block_h=32)))
-            # wip/0109/0124 (issue #21): the deterministic backward (int64, native_deterministic),
-            # wip/0127's forms with a fixed-point scale for each key (_int32x2, _fp32, _fp32g4),
-            # wip/0139's finer fp32 scales (_fp32fine), each with wip/0138's sorted indices too
-            # (_sorted), checked against the default native backward's results
+            # 0150-0152 (issue #21): the deterministic backward (the route's form,
+            # native_deterministic), the other forms (_int64, _int32x2, _fp32 without 0152's fine
+            # scales, _fp32g4), each with wip/0138's sorted indices too (_sorted), checked against
+            # the default native backward's results
             forms = {"": {}} if has_native_option("bwd_deterministic") else {}
             if has_native_option("bwd_deterministic_form"):
+                coarse = ({"bwd_deterministic_fine_scales": False}
+                          if has_native_option("bwd_deterministic_fine_scales") else {})
                 forms.update({
+                    "_int64": dict(bwd_deterministic_form="int64"),
                     "_int32x2": dict(bwd_deterministic_form="int32x2"),
-                    "_fp32": dict(bwd_deterministic_form="fp32"),
+                    "_fp32": dict(bwd_deterministic_form="fp32", **coarse),
                     "_fp32g4": dict(bwd_deterministic_form="fp32", bwd_deterministic_key_groups=4)})
-            if has_native_option("bwd_deterministic_fine_scales"):
-                forms["_fp32fine"] = dict(bwd_deterministic_form="fp32",
-                                          bwd_deterministic_fine_scales=True)
             sorts = {"": {}}
             if has_native_option("bwd_deterministic_sort"):
                 sorts["_sorted"] = dict(bwd_deterministic_sort=True)

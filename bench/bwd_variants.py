@@ -45,8 +45,8 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   one chunk, the query's phase for 132 SMs: the route's kernel since .27); with wip/0137
   _hi_ef_ph<t>_rp_el24/_el32/_el40 (the pairs' adds with an L2 cache policy, evict_last for the
   accumulator's first that many MiB);
-  with 0134 (the route's since .26) or wip/0124 also at 16 heads (the ws64 kernel as 64 rows);
-  with WIP_PATCHES=wip/0124 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
+  with 0134 (the route's since .26) or 0150 also at 16 heads (the ws64 kernel as 64 rows);
+  with 0150 native_ws64_fixed at 16/32/64 heads (issue #21: int64 fixed-point
   dKV at the scale _fixed_point_scale picks on the device, built with the run-time softmax scale
   as the wrapper builds it; fixed_shift: that scale's log2, bitwise_repeat over 3 calls)
 --ref NAME [NAME ...]: the variant the others' dq/dkv are checked against, the first of these a
@@ -158,7 +158,7 @@ def chunk_variants(heads):
             for probe in ("no_atomic", "no_gather", "no_dkv", "no_sdp"):
                 v[f"{pbase}_{probe}"] = dict(v[pbase], probe=probe)
     if heads in (16, 32, 64) and "dkv_fixed" in ws64:
-        # wip/0124 (issue #21): int64 fixed-point dKV adds (column order), the wrapper's stages 2
+        # 0150 (issue #21): int64 fixed-point dKV adds (column order), the wrapper's stages 2
         # and WG0 chunks 2; at 16 heads the fp32 kernel at 64 rows beside it (the 64-bit adds'
         # own cost)
         s2w2 = dict(base, ws64=True, dkv_stages=2, wg0_dkv_chunks=2)
@@ -360,9 +360,9 @@ def main():
                 continue
             qq, kk = (q576, kv576) if cfg["tail"] else (q, kv)
             ii = idx_2112 if cfg["tail"] else (idx if cfg["dynamic"] else idx_2080)
-            fixed = cfg.get("dkv_fixed", False)  # wip/0124: an int64 accumulator
+            fixed = cfg.get("dkv_fixed", False)  # 0150: an int64 accumulator
             dkv = torch.zeros(kk.shape, dtype=torch.int64 if fixed else torch.float32, device=dev)
-            # wip/0124: the softmax scale and the fixed-point scale at each call
+            # 0150: the softmax scale and the fixed-point scale at each call
             call_args = (SCALE, bwd_mod._fixed_point_scale(q, kv, do, delta, SCALE)) if fixed else ()
 
             def call():

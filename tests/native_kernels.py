@@ -99,6 +99,11 @@ FEATURES = {
              and tilelang_utils.NativeKernelOptions().bwd_wg0_dkv_chunks == 1),
     "0142": ("NativeKernelOptions.bwd_block_phase_queries",
              lambda: _has_option("bwd_block_phase_queries")),
+    "0150": ("NativeKernelOptions.bwd_deterministic", lambda: _has_option("bwd_deterministic")),
+    "0151": ("NativeKernelOptions.bwd_deterministic_form",
+             lambda: _has_option("bwd_deterministic_form")),
+    "0152": ("NativeKernelOptions.bwd_deterministic_fine_scales",
+             lambda: _has_option("bwd_deterministic_fine_scales")),
 }
 
 

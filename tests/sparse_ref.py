@@ -48,10 +48,11 @@ class ReferenceSparseMLA:
     calls = []
 
     @staticmethod
-    def apply(q, kv, indices, scaling, save_output=False, out_heads=None):
+    def apply(q, kv, indices, scaling, save_output=False, out_heads=None, deterministic=False):
         """save_output (0060): the real SparseMLA keeps out/lse for backward; the result is the same.
-        out_heads (0107, with save_output): only the first out_heads heads of out come back."""
-        assert isinstance(save_output, bool)
+        out_heads (0107, with save_output): only the first out_heads heads of out come back.
+        deterministic (0150): a bitwise-reproducible backward; the result is the same."""
+        assert isinstance(save_output, bool) and isinstance(deterministic, bool)
         assert out_heads is None or (save_output and 0 < out_heads < q.size(2))
         assert q.dtype == kv.dtype == torch.bfloat16
         width = q.size(-1)

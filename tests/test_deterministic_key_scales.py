@@ -1,16 +1,14 @@
-"""wip/0127 (issue #21, a draft outside the series): the host side of the deterministic backward
-with a fixed-point scale for each key. Its kernels need a GPU (tests/gpu); the scales that keep
-every lane's sum in range are plain torch, checked here on CPU. Skips while the draft is not
-applied to the tree under test."""
+"""0151/0152 (issue #21): the host side of the deterministic backward with a fixed-point scale for
+each key. Its kernels need a GPU (tests/gpu); the scales that keep every lane's sum in range are
+plain torch, checked here on CPU, and the route is checked against its kernels' contract in
+PyTorch."""
 
 import pytest
 import torch
 
-from native_kernels import _has_option, bwd_mod
+from native_kernels import _has_option, bwd_mod, has, needs
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(bwd_mod, "_key_scales"), reason="wip/0127 (_key_scales) is not applied"
-)
+pytestmark = needs("0151")
 
 # headroom of a key's scaled bound: a lane's final sum (int32x2), every partial sum (fp32)
 HEADROOM = {"int32x2": 2**30, "fp32": 2**23}
@@ -35,11 +33,10 @@ def test_key_scales_use_the_headroom_and_stay_within_it(form, u):
     assert torch.equal(torch.frexp(scale)[0], torch.full_like(scale, 0.5))
 
 
-@pytest.mark.skipif(not _has_option("bwd_deterministic_fine_scales"),
-                    reason="wip/0139 (NativeKernelOptions.bwd_deterministic_fine_scales) is not applied")
+@needs("0152")
 @pytest.mark.parametrize("u", [-20, 0, 17])
 def test_fine_key_scales_bring_the_bound_just_under_the_exact_range(u):
-    """wip/0139: "fp32" with fine scales: each selected key's scaled bound is 2^24 - 2^20 rounded
+    """0152: "fp32" with fine scales: each selected key's scaled bound is 2^24 - 2^20 rounded
     down (never above: every partial sum of integer-valued floats stays exact below 2^24, with
     2^20 left for the rounding of up to 2^20 queries), one to two bits finer than the power-of-two
     scales; the inverse is the scale's to float32 rounding; a key no query selected keeps 1."""
@@ -122,7 +119,7 @@ def _in_group(valid, g, groups):
 
 
 class KeyFixedFakes:
-    """The per-key fixed-point kernels' contract in PyTorch (wip/0127): the first pass's bounds,
+    """The per-key fixed-point kernels' contract in PyTorch (0151): the first pass's bounds,
     the second pass's rounded terms (as int32 lanes or integer-valued floats) and the
     postprocess. It also checks the invariant the design rests on: every key's sum of |terms|,
     in every column, is within its bound."""
@@ -155,13 +152,14 @@ class KeyFixedFakes:
         assert dkv_key_fixed in ("int32x2", "fp32"), dkv_key_fixed
         assert dkv_key_fixed == "fp32" or dkv_key_groups == 1
         assert levers.get("block_phase_ns", 0) == 0
-        self.levers = levers
+        self.levers, self.form = levers, dkv_key_fixed
         groups = dkv_key_groups
 
         def kernel(q, kv, do, indices, lse, delta, dkv, scale, key_scale):
             from test_native_routing import _bwd_from_lse_delta, _to_lines
 
             self.indices["adds"] = indices.clone()
+            self.key_scale = key_scale.clone()
             _, _, c, keys, valid = _kernel_terms(q, kv, do, indices, lse, delta, scale)
             key_bound, units = self.bound_units
             assert key_scale.shape == (kv.size(0), kv.size(1), groups)
@@ -205,10 +203,8 @@ class KeyFixedFakes:
         return kernel
 
 
-@pytest.mark.parametrize("form", ["int32x2", "fp32", "fp32/4", pytest.param(
-    "fp32+fine", marks=pytest.mark.skipif(
-        not _has_option("bwd_deterministic_fine_scales"),
-        reason="wip/0139 (NativeKernelOptions.bwd_deterministic_fine_scales) is not applied"))])
+@pytest.mark.parametrize("form", ["default", "int32x2", "fp32", "fp32/4", pytest.param(
+    "fp32+fine", marks=needs("0152"))])
 @pytest.mark.parametrize("heads", [16, 64])
 @pytest.mark.parametrize("sort", [False, pytest.param(True, marks=pytest.mark.skipif(
     not _has_option("bwd_deterministic_sort"),
@@ -220,7 +216,8 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
     """sparse_mla_bwd's deterministic route with bwd_deterministic_form, its kernels replaced by
     their contract in PyTorch: the two passes' arguments, the scales between them, the bound
     holding for every key, and dk within bf16 rounding of the exact gradient (outlier rows
-    included: q x10 on one head, dO x10 on a few queries). wip/0138 (sort): both passes get
+    included: q x10 on one head, dO x10 on a few queries). "default": bwd_deterministic alone
+    takes the "fp32" form, with 0152's fine scales (not powers of two). wip/0138 (sort): both passes get
     each query's indices sorted by key (without it, as given), and the gradients are the same.
     Series 0142 (phase, its default): the adds pass gets the device's SM count as
     block_phase_queries, and both passes the sorted indices; the other cases run with
@@ -249,20 +246,28 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
     scale = w**-0.5
     lse = _lse_log2(q, kv, idx, scale)
     delta = (_attend(q, kv, idx, scale).bfloat16().float() * do.float()).sum(-1)
+    default = form == "default"
     form, fine = form.split("+")[0], form.endswith("+fine")
     form, _, groups = form.partition("/")
+    chosen = {} if default else dict(
+        bwd_deterministic_form=form,
+        bwd_deterministic_key_groups=int(groups or 1),
+        **({"bwd_deterministic_fine_scales": fine} if has("0152") else {}),
+    )
     given = idx.clone()
     with options(
         bwd_deterministic=True,
-        bwd_deterministic_form=form,
-        bwd_deterministic_key_groups=int(groups or 1),
+        **chosen,
         **({"bwd_deterministic_sort": True} if sort is True else {}),
         **({"bwd_block_phase_queries": 0}
            if sort != "phase" and _has_option("bwd_block_phase_queries") else {}),
-        **({"bwd_deterministic_fine_scales": True} if fine else {}),
     ):
         dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
     assert torch.equal(idx, given), "the caller's indices are left as given"
+    assert f.form == ("fp32" if default else form)
+    if default or fine:  # 0152: the scales are not all powers of two
+        selected = f.key_scale[f.key_scale != 1]
+        assert not torch.equal(torch.frexp(selected)[0], torch.full_like(selected, 0.5))
     assert f.levers.get("block_phase_queries", 0) == (132 if sort == "phase" else 0)
     want = given.sort(-1).values if sort else given
     assert torch.equal(f.indices["bound"], want) and torch.equal(f.indices["adds"], want)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from native_kernels import has
+from native_kernels import has, needs
 from sparse_ref import D_QK, ReferenceSparseMLA, causal_random_indices
 
 from megatron.core.transformer.experimental_attention_variant import dsa_kernels
@@ -64,6 +64,27 @@ def make_inputs(width, topk, heads, sq=4, sk=None, seed=0):
 WIDTHS = [512, 576]
 TOPKS = [64, 65, 127, 2051]
 HEADS = [8, 16, 32, 64]  # GLM-5.3-Flash's 64 DSA heads over TP 8, 4, 2, 1
+
+
+# 0150: megatron's deterministic_mode (ModelParallelConfig) reaches SparseMLA as its deterministic
+# argument, the backward's choice; on both NoPE routes and the 576 kernels (whose backward has no
+# deterministic form: it warns there). Without it SparseMLA gets the call it always got.
+@needs("0150")
+@pytest.mark.parametrize("mode", [False, True])
+@pytest.mark.parametrize("width,route", [(512, "native"), (512, "padded"), (576, "native")])
+def test_deterministic_mode_reaches_sparse_mla(recorder, monkeypatch, width, route, mode):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", route)
+    config = tilelang_config(16)
+    config.deterministic_mode = mode
+    query, key, idx = make_inputs(width, 65, 16)
+    out = dsa_kernels.run_fused_absorbed_sparse_attention(config, query, key, idx, 0.05, 512)
+    assert out is not None
+    (call,) = recorder.calls
+    # SparseMLA.apply(q, kv, indices, scaling, save_output, out_heads, deterministic)
+    extra = call["save_output"]
+    assert (len(extra) == 3 and extra[2] is True) == mode
+    if not mode:
+        assert len(extra) <= 1
 
 
 @pytest.mark.parametrize("heads", HEADS)

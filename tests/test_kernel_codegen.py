@@ -664,6 +664,26 @@ def _route_bwd_ws64(sm90, tag="", **extra):
 
 @needs_tilelang
 @needs_nvcc
+@needs("0151")
+@pytest.mark.parametrize("form", ["int64", "fp32", "int32x2"])
+def test_bwd_native_ws64_deterministic_adds(sm90, form):
+    """0150/0151: the deterministic backward's second pass as the route builds it at 64 heads
+    (0133's pairs off): "int64" adds each value as __float2ll_rn(v * FixedScale[0]) with a 64-bit
+    integer atomic; "fp32" rounds each value times its key's scale (rintf) and adds the
+    integer-valued floats 4 at a time in line order; "int32x2" packs two rounded columns into
+    one 64-bit atomic (glm_add_lanes). No form keeps another's add."""
+    arg = {"dkv_fixed": True} if form == "int64" else {"dkv_key_fixed": form}
+    src = _route_bwd_ws64(sm90, f" det {form}", **arg)
+    assert ("__float2ll_rn" in src) == (form == "int64")
+    assert ("rintf" in src) == (form == "fp32")
+    assert ("AtomicAddx4(" in src) == (form == "fp32")
+    lane_adds = src.count("glm_add_lanes(") - src.count("void glm_add_lanes(")  # (the prelude's)
+    assert (lane_adds > 0) == (form == "int32x2")
+    assert "AtomicAddx2(" not in src and "glm_globaltimer" not in src
+
+
+@needs_tilelang
+@needs_nvcc
 @needs("0120")
 def test_bwd_native_ws64_levers_keep_the_ordering(sm90):
     """0120: with hoisted indices and evict_first copies issued by hand (TileLang plans no sync
