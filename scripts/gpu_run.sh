@@ -79,7 +79,9 @@ fi
 if has tests; then
   # the tests are many small launches: spread them over processes sharing the GPU (pytest-xdist
   # from .whl/; the kernels are in TileLang's disk cache from precompile.py)
-  par=$([ -n "$xdist" ] && echo "-n ${GPU_TEST_WORKERS:-6}")
+  # (--dist loadgroup: the tests marked xdist_group("whole_gpu"), each needing many GiB of the
+  # GPU or processes of its own, run one after another on one worker, not beside each other)
+  par=$([ -n "$xdist" ] && echo "-n ${GPU_TEST_WORKERS:-6} --dist loadgroup")
   # GPU_TEST_K: a pytest -k expression (a subset of the tests, when device time is short)
   "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --durations=12 $par ${GPU_TEST_K:+-k "$GPU_TEST_K"} --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || failed tests
   summary="$summary; gpu tests: $(tail -n 1 "$out/gpu-tests.log")"

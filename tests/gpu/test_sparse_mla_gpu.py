@@ -20,6 +20,10 @@ from native_kernels import _has_option, has, needs
 from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
+# Tests that take many GiB of the GPU (a dense reference, 32k tokens) or start processes of their
+# own: scripts/gpu_run.sh runs pytest-xdist with --dist loadgroup, which runs a group's tests one
+# after another on one worker (beside 13 other workers they ran the 80 GB card out of memory).
+WHOLE_GPU = pytest.mark.xdist_group("whole_gpu")
 SCALE = 512 ** -0.5  # the default scale of every case (0108 also runs others)
 
 
@@ -248,6 +252,7 @@ _CHILD = ("import sys, ast; import test_sparse_mla_gpu as t; "
 # nothing of this process's state carries over), at 16/32/64 heads, in the route's default form
 # (0152's fine fp32 scales) and 0151's other two.
 @needs("0150")
+@WHOLE_GPU
 @pytest.mark.parametrize("heads", [16, 32, 64])
 @pytest.mark.parametrize("form", ["default", pytest.param("int64", marks=needs("0151")),
                                   pytest.param("int32x2", marks=needs("0151"))])
@@ -592,6 +597,7 @@ def hook(q, k, idx, do):
     return out.detach(), q.grad, k.grad
 
 
+@WHOLE_GPU
 @pytest.mark.parametrize("route", ["native", "padded"], indirect=True)
 def test_glm_4096_through_hook_matches_dense_fallback(strict, route):
     q, k, do, idx = glm_inputs(4096)
@@ -606,6 +612,7 @@ def test_glm_4096_through_hook_matches_dense_fallback(strict, route):
         assert err < 1e-2, f"{name}: relative L2 error {err:.2e}"
 
 
+@WHOLE_GPU
 @pytest.mark.parametrize("route", ["native", "padded"], indirect=True)
 def test_glm_32768_through_hook_never_declines(strict, route):
     """The dense fallback does not fit at 32k; check rows against the FP32 reference instead
