@@ -704,11 +704,11 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
 @pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
                     reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
 @pytest.mark.parametrize("heads", [32, 64])
-@pytest.mark.parametrize("persist", [False, True])
+@pytest.mark.parametrize("persist", [False, True, 2])
 def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
     """wip/0129: NativeKernelOptions.fwd_ws64_persistent builds 0112's forward with one CTA an SM
-    of the query's device; off (the default), a CTA a query, without asking the device. The
-    gradients through the hook are the reference's either way."""
+    of the query's device (2: two, two waves); off (the default), a CTA a query, without asking
+    the device. The gradients through the hook are the reference's either way."""
     asked = _fake_sm_count(monkeypatch, 7)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
@@ -716,7 +716,7 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
     assert [b["kind"] for b in fwd] == ["fwd_ws64"]
-    assert fwd[0]["ctas"] == (7 if persist else 0)
+    assert fwd[0]["ctas"] == 7 * int(persist)
     assert set(asked) == ({query.device} if persist else set())
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 

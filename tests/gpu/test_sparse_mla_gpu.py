@@ -328,11 +328,12 @@ def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, he
 # blocks in the same order either way).
 @pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
                     reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
+@pytest.mark.parametrize("waves", [True, 2])
 @pytest.mark.parametrize("sq,batch,bucket", [(300, 2, None), (100, 1, "128")])
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, topk, sq, batch,
-                                                           bucket):
+                                                           bucket, waves):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     if bucket:
         monkeypatch.setenv("MCORE_DSA_TILELANG_SEQ_BUCKET", bucket)
@@ -342,7 +343,7 @@ def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, t
     do = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
     idx = torch.stack([causal_random_indices(sq, sq, topk, g) for _ in range(batch)]).to(DEV)
     idx[batch - 1, 7] = -1
-    got, want = with_and_without(q, k, idx, do, fwd_ws64_persistent=True)
+    got, want = with_and_without(q, k, idx, do, fwd_ws64_persistent=waves)  # (2: two CTAs an SM)
     assert torch.equal(got[0], want[0]), "out differs from a CTA a query's"
     assert torch.equal(got[1], want[1]), "dq differs from a CTA a query's"
     for b in range(batch):
