@@ -1028,3 +1028,17 @@ def test_sort_rows_sorts_each_row_a_few_rows_at_a_time(in_place):
         assert got.data_ptr() == idx.data_ptr()
     else:
         assert torch.equal(idx, given) and got.data_ptr() != idx.data_ptr()
+
+
+@needs_tilelang
+@needs("0150")
+def test_deterministic_request_without_a_fixed_point_form_warns(fakes):
+    """0150: NativeKernelOptions.schedule=False (0030's kernels) has no fixed-point form: a
+    deterministic request says so (a warning) and runs the fp32 backward, not silently."""
+    heads, topk, scale = 16, 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(schedule=False, bwd_deterministic=True):
+        with pytest.warns(UserWarning, match="deterministic backward was asked for"):
+            out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    assert [b["kind"] for b in fakes.builds if b["kind"].startswith("bwd")] == ["bwd"]
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
