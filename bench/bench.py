@@ -25,7 +25,8 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_deterministic 512/2051  NativeKernelOptions(bwd_deterministic=True) (0150-0152, what
                 megatron's deterministic_mode selects: at 16/32/64 kernel heads the per-key fp32
                 form with fine scales, elsewhere int64 fixed point); bitwise_repeat (3 calls' dq
-                and dk bitwise equal) and grads_sha256 (compare it across processes); with
+                and dk bitwise equal) and grads_sha256; with --fresh-process also
+                bitwise_fresh_process (the row again in a new process, the same hash); with
                 wip/0138 also native_deterministic_sorted (bwd_deterministic_sort)
   native_deterministic_int64, native_deterministic_int32x2, native_deterministic_fp32,
   native_deterministic_fp32g4 512/2051  the same with bwd_deterministic_form (0150's one scale;
@@ -98,6 +99,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -813,6 +815,29 @@ def parse_ab(text):
     return name, options
 
 
+def fresh_process_check(rows, args, run=subprocess.run):
+    """--fresh-process: each row with grads_sha256 (the deterministic rows) measured once more by a
+    new process of this script (a new CUDA context, allocator and kernel load), its dq and dk
+    hash compared with this process's: the row gains bitwise_fresh_process. A child that fails
+    or gives no hash leaves False."""
+    for row in rows:
+        if "grads_sha256" not in row:
+            continue
+        name = row["name"]
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, __file__, "--out", tmp, "--reps", "1",
+                   "--configs", f"{row['heads']}:{row['seqlen']}", "--rows", name]
+            cmd += ["--score-order"] if args.score_order else []
+            cmd += [f"--ab={ab}:" + ",".join(f"{k}={v!r}" for k, v in opts.items())
+                    for ab, opts in args.ab if ab == name]
+            done = run(cmd, capture_output=True, text=True)
+            path = pathlib.Path(tmp) / "h200-bench.jsonl"
+            got = [json.loads(line) for line in path.read_text().splitlines()
+                   if line.strip()] if done.returncode == 0 and path.exists() else []
+        hashes = [r.get("grads_sha256") for r in got if r["name"] == name]
+        row["bitwise_fresh_process"] = hashes == [row["grads_sha256"]]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -827,6 +852,9 @@ def main():
                     metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
                     help="also a row NAME: the native route with these NativeKernelOptions fields "
                     "(repeatable), checked against the native route")
+    ap.add_argument("--fresh-process", action="store_true",
+                    help="the deterministic rows (grads_sha256) once more in a new process: "
+                    "bitwise_fresh_process says whether its dq and dk are this process's")
     ap.add_argument("--render", metavar="JSONL", help="only rewrite the table and plot from JSONL")
     ap.add_argument("--kernels", metavar="ARCHIVE",
                     help="the make-kernels archive for first_call_shipped (default: dist/'s one)")
@@ -838,15 +866,19 @@ def main():
         return 0
     prov = provenance()
     rows, notes = run(args)
+    if args.fresh_process:
+        fresh_process_check(rows, args)
     prov["notes"] = notes
     with open(out / "h200-bench.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(dict(r, provenance=prov)) + "\n")
     render(out / "h200-bench.jsonl", out)
     print("\n".join(notes))
-    bad = [r for r in rows if r.get("status") in ("error", "declined")]
+    bad = [r for r in rows if r.get("status") in ("error", "declined")
+           or r.get("bitwise_repeat") is False or r.get("bitwise_fresh_process") is False]
     for r in bad:
-        print(f"{r['name']} {r['heads']} heads {r['seqlen']}: {r['status']}: {r.get('msg')}")
+        why = r.get("msg") if r.get("status") != "ok" else "not bitwise reproducible"
+        print(f"{r['name']} {r['heads']} heads {r['seqlen']}: {r['status']}: {why}")
     return 1 if bad else 0
 
 

@@ -272,3 +272,38 @@ def test_bwd_variants_build_passes_every_option_a_row_names(monkeypatch):
     # an option the tree's builder does not take is refused, not dropped
     with pytest.raises(ValueError, match="no_such_option"):
         bwd_variants.build(64, dict(last, no_such_option=True))
+
+
+def test_fresh_process_check_compares_each_deterministic_row_with_a_new_process(tmp_path):
+    """bench.py --fresh-process: each row with grads_sha256 runs again in a child process of the
+    script with that row, its shape and its --ab options; bitwise_fresh_process says whether the
+    child's hash is the same. A child that fails, or gives another hash, leaves False; rows
+    without a hash are left alone."""
+    import argparse
+
+    import bench
+
+    rows = [dict(name="native", heads=16, seqlen=32768),
+            dict(name="native_deterministic", heads=16, seqlen=32768, grads_sha256="aa"),
+            dict(name="det_ab", heads=64, seqlen=4096, grads_sha256="bb"),
+            dict(name="native_deterministic", heads=32, seqlen=32768, grads_sha256="cc")]
+    args = argparse.Namespace(score_order=True, ab=[("det_ab", {"bwd_deterministic": True})])
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        out = pathlib.Path(cmd[cmd.index("--out") + 1])
+        heads = cmd[cmd.index("--configs") + 1].split(":")[0]
+        name = cmd[cmd.index("--rows") + 1]
+        if heads == "32":  # a child that failed
+            return subprocess.CompletedProcess(cmd, 1, "", "boom")
+        sha = {"16": "aa", "64": "other"}[heads]
+        (out / "h200-bench.jsonl").write_text(json.dumps(dict(name=name, grads_sha256=sha)) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    bench.fresh_process_check(rows, args, run=run)
+    assert "bitwise_fresh_process" not in rows[0]
+    assert [r.get("bitwise_fresh_process") for r in rows[1:]] == [True, False, False]
+    assert len(calls) == 3 and all("--score-order" in c for c in calls)
+    assert "--ab=det_ab:bwd_deterministic=True" in calls[1]
+    assert not any(c.startswith("--ab") for c in calls[0])
