@@ -19,7 +19,13 @@ case "$args" in
   *bench/bwd_variants.py*) fail variants ;;
   *bench/fwd_variants.py*) fail fwd ;;
   *bench/bench.py*) fail bench ;;
-  *"-m pytest tests/gpu"*) echo "1 passed"; fail tests ;;
+  *"-m pytest tests/gpu"*)
+    [ -z "${TESTS_LOG:-}" ] || echo "$args" >>"$TESTS_LOG"
+    echo "1 passed"
+    # a pass's own status (WHOLE_STATUS: the whole_gpu pass, PASS_STATUS: the other)
+    case "$args" in *"-m whole_gpu"*) st=${WHOLE_STATUS:-0} ;; *) st=${PASS_STATUS:-0} ;; esac
+    [ "$st" = 0 ] || exit "$st"
+    fail tests ;;
   *bench/sanitize_*) [ -z "${ARGS_LOG:-}" ] || echo "$args" >>"$ARGS_LOG"; fail sanitize ;;
 esac
 exit 0
@@ -212,3 +218,26 @@ def test_precompile_takes_its_arguments(tmp_path):
     proc = run(tmp_path, "bench", PRECOMPILE_ARGS=args, PRECOMPILE_LOG=str(tmp_path / "args"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (tmp_path / "args").read_text().splitlines() == [f"bench/precompile.py {args}"]
+
+
+def test_the_whole_gpu_tests_run_in_a_pass_of_their_own(tmp_path):
+    """With pytest-xdist, the tests marked whole_gpu run after the others, in a second pass with
+    fewer workers (beside 13 others they ran the card out of memory)."""
+    log = tmp_path / "args"
+    proc = run(tmp_path, "tests", TESTS_LOG=str(log), GPU_TEST_WORKERS="14", GPU_WHOLE_WORKERS="2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    first, second = log.read_text().splitlines()
+    assert "-n 14 -m not whole_gpu" in first and "-n 2 -m whole_gpu" in second
+    assert (tmp_path / "out" / "gpu-tests.log").exists()
+    assert (tmp_path / "out" / "gpu-tests-whole-gpu.log").exists()
+
+
+@pytest.mark.parametrize("first,second,ok", [
+    (0, 0, True), (5, 0, True), (0, 5, True),  # -k left one pass empty
+    (0, 1, False), (1, 0, False), (5, 5, False), (0, 2, False),
+])
+def test_either_pass_failing_fails_the_tests_job(tmp_path, first, second, ok):
+    proc = run(tmp_path, "tests", PASS_STATUS=str(first), WHOLE_STATUS=str(second))
+    assert (proc.returncode == 0) == ok, proc.stdout[-2000:] + proc.stderr[-2000:]
+    if not ok:
+        assert "FAILED: tests" in proc.stdout

@@ -21,9 +21,9 @@ from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
 # Tests that take many GiB of the GPU (a dense reference, 32k tokens) or start processes of their
-# own: scripts/gpu_run.sh runs pytest-xdist with --dist loadgroup, which runs a group's tests one
-# after another on one worker (beside 13 other workers they ran the 80 GB card out of memory).
-WHOLE_GPU = pytest.mark.xdist_group("whole_gpu")
+# own: scripts/gpu_run.sh runs them in a pass of their own with few workers, after the others
+# (beside 13 other workers they ran the 80 GB card out of memory).
+WHOLE_GPU = pytest.mark.whole_gpu
 SCALE = 512 ** -0.5  # the default scale of every case (0108 also runs others)
 
 
