@@ -139,10 +139,19 @@ if has sanitize; then
     n=$((n + 1))
     log="$out/sanitizer-$tool-$prog.log"
     [ ! -e "$log" ] || log="$out/sanitizer-$tool-$prog-$n.log"  # the same tool and script again
+    # first without the sanitizer, into the same log: the script's kernels compile here into
+    # TileLang's disk cache (compiling under racecheck outlasted a 150 s limit in run 29a), and
+    # its own checks run once uninstrumented
+    echo "== $prog ${sargs[*]}: without the sanitizer" >"$log"
+    if ! timeout "${SANITIZE_TIMEOUT:-400}" "$py" "bench/$prog.py" "${sargs[@]}" >>"$log" 2>&1; then
+      failed "sanitizer $tool $prog (its run without the sanitizer)"
+      continue
+    fi
+    echo "== $prog ${sargs[*]}: under compute-sanitizer --tool $tool" >>"$log"
     # no caching allocator: an access past a tensor that stays inside a cached segment would be
     # invisible to memcheck
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-400}" "$cs" --tool "$tool" --error-exitcode 1 "$py" "bench/$prog.py" "${sargs[@]}" \
-      >"$log" 2>&1 || failed "sanitizer $tool $prog"
+      >>"$log" 2>&1 || failed "sanitizer $tool $prog"
     summary="$summary; $tool $prog ${arg:+($arg)}: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 1)"
   done
 fi

@@ -33,6 +33,7 @@ exit 0
 
 FAKE_CS = r"""#!/usr/bin/env bash
 # stand-in compute-sanitizer: runs the program (the stand-in python) and reports
+[ -z "${ARGS_LOG:-}" ] || echo "compute-sanitizer $2" >>"$ARGS_LOG"
 shift 4  # --tool T --error-exitcode 1: the program and its arguments follow
 "$@" && echo "========= ERROR SUMMARY: 0 errors"
 """
@@ -79,10 +80,20 @@ def test_sanitize_runs_pass_their_arguments_and_keep_each_log(tmp_path):
     runs = "racecheck:sanitize_native:--quick racecheck:sanitize_native:--quick,--option,x=True"
     proc = run(tmp_path, "sanitize", SANITIZE_RUNS=runs, ARGS_LOG=str(tmp_path / "args"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # each run once without the sanitizer (its kernels compile there), then under it
+    one, two = "bench/sanitize_native.py --quick", "bench/sanitize_native.py --quick --option x=True"
     assert (tmp_path / "args").read_text().splitlines() == [
-        "bench/sanitize_native.py --quick", "bench/sanitize_native.py --quick --option x=True"]
+        one, "compute-sanitizer racecheck", one, two, "compute-sanitizer racecheck", two]
     logs = sorted(p.name for p in (tmp_path / "out").glob("sanitizer-*.log"))
     assert logs == ["sanitizer-racecheck-sanitize_native-2.log", "sanitizer-racecheck-sanitize_native.log"]
+
+
+def test_a_script_failing_without_the_sanitizer_fails_the_job_before_it(tmp_path):
+    proc = run(tmp_path, "sanitize", fail="sanitize", SANITIZE_RUNS="memcheck:sanitize_native",
+               ARGS_LOG=str(tmp_path / "args"))
+    assert proc.returncode != 0 and "its run without the sanitizer" in proc.stdout
+    assert (tmp_path / "args").read_text().splitlines() == ["bench/sanitize_native.py"]
+    assert "without the sanitizer" in (tmp_path / "out" / "sanitizer-memcheck-sanitize_native.log").read_text()
 
 
 def test_a_failed_precompile_stops_before_the_jobs(tmp_path):
