@@ -84,21 +84,22 @@ if has tests; then
   # they run in a second pass with few workers (GPU_WHOLE_WORKERS) and nothing else beside them.
   # GPU_TEST_K: a pytest -k expression (a subset of the tests, when device time is short); a
   # pass it leaves empty is not a failure (pytest's 5), both passes empty are.
-  gpu_tests() {  # NAME PYTEST-ARGS...: one pass into $out/NAME.log and .xml; prints pytest's status
+  gpu_tests() {  # NAME PYTEST-ARGS...: one pass into $out/NAME.log and .xml; pytest's status in st
     local name=$1
     shift
     "$py" -m pytest tests/gpu -q -rA -p no:cacheprovider --durations=12 "$@" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
-      --junitxml="$out/$name.xml" 2>&1 | tee "$out/$name.log" >&2
-    echo "${PIPESTATUS[0]}"
+      --junitxml="$out/$name.xml" 2>&1 | tee "$out/$name.log"
+    st=${PIPESTATUS[0]}
+    summary="$summary; $name: $(tail -n 1 "$out/$name.log")"
   }
   if [ -n "$xdist" ]; then
-    st1=$(gpu_tests gpu-tests -n "${GPU_TEST_WORKERS:-6}" -m "not whole_gpu")
-    st2=$(gpu_tests gpu-tests-whole-gpu -n "${GPU_WHOLE_WORKERS:-3}" -m whole_gpu)
-    summary="$summary; gpu tests: $(tail -n 1 "$out/gpu-tests.log")"
-    summary="$summary; whole_gpu tests: $(tail -n 1 "$out/gpu-tests-whole-gpu.log")"
+    gpu_tests gpu-tests -n "${GPU_TEST_WORKERS:-6}" -m "not whole_gpu"
+    st1=$st
+    gpu_tests gpu-tests-whole-gpu -n "${GPU_WHOLE_WORKERS:-3}" -m whole_gpu
+    st2=$st
   else
-    st1=$(gpu_tests gpu-tests) st2=5
-    summary="$summary; gpu tests: $(tail -n 1 "$out/gpu-tests.log")"
+    gpu_tests gpu-tests
+    st1=$st st2=5
   fi
   case "$st1 $st2" in
     "5 5") failed "tests (none selected)" ;;

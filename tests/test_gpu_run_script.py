@@ -15,12 +15,14 @@ args="$*"
 fail() { [[ " $FAIL " == *" $1 "* ]] && exit 3; exit 0; }
 case "$args" in
   *"sys.version_info"*) echo cp312 ;;
+  *"import xdist"*) [ -z "${NO_XDIST:-}" ] || exit 1 ;;
   *bench/precompile.py*) [ -z "${PRECOMPILE_LOG:-}" ] || echo "$args" >>"$PRECOMPILE_LOG"; fail precompile ;;
   *bench/bwd_variants.py*) fail variants ;;
   *bench/fwd_variants.py*) fail fwd ;;
   *bench/bench.py*) fail bench ;;
   *"-m pytest tests/gpu"*)
-    [ -z "${TESTS_LOG:-}" ] || echo "$args" >>"$TESTS_LOG"
+    # one [argument] each, so that quoting shows
+    [ -z "${TESTS_LOG:-}" ] || { printf '[%s]' "$@"; echo; } >>"$TESTS_LOG"
     echo "1 passed"
     # a pass's own status (WHOLE_STATUS: the whole_gpu pass, PASS_STATUS: the other)
     case "$args" in *"-m whole_gpu"*) st=${WHOLE_STATUS:-0} ;; *) st=${PASS_STATUS:-0} ;; esac
@@ -35,7 +37,10 @@ FAKE_CS = r"""#!/usr/bin/env bash
 # stand-in compute-sanitizer: runs the program (the stand-in python) and reports
 [ -z "${ARGS_LOG:-}" ] || echo "compute-sanitizer $2" >>"$ARGS_LOG"
 shift 4  # --tool T --error-exitcode 1: the program and its arguments follow
-"$@" && echo "========= ERROR SUMMARY: 0 errors"
+"$@" || exit
+# CS_FAIL: the tool finds an error
+[ -z "${CS_FAIL:-}" ] || { echo "========= ERROR SUMMARY: 1 error"; exit 1; }
+echo "========= ERROR SUMMARY: 0 errors"
 """
 
 
@@ -86,6 +91,21 @@ def test_sanitize_runs_pass_their_arguments_and_keep_each_log(tmp_path):
         one, "compute-sanitizer racecheck", one, two, "compute-sanitizer racecheck", two]
     logs = sorted(p.name for p in (tmp_path / "out").glob("sanitizer-*.log"))
     assert logs == ["sanitizer-racecheck-sanitize_native-2.log", "sanitizer-racecheck-sanitize_native.log"]
+
+
+def test_the_run_without_the_sanitizer_and_the_sanitized_run_share_a_log(tmp_path):
+    proc = run(tmp_path, "sanitize", SANITIZE_RUNS="memcheck:sanitize_native:--quick")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = (tmp_path / "out" / "sanitizer-memcheck-sanitize_native.log").read_text()
+    assert text.index("without the sanitizer") < text.index("under compute-sanitizer --tool memcheck")
+    assert "ERROR SUMMARY: 0 errors" in text
+
+
+def test_an_error_the_sanitizer_finds_fails_the_job(tmp_path):
+    proc = run(tmp_path, "sanitize", SANITIZE_RUNS="memcheck:sanitize_native", CS_FAIL="1")
+    assert proc.returncode != 0
+    assert "[FAILED: sanitizer memcheck sanitize_native]" in proc.stdout
+    assert "its run without the sanitizer" not in proc.stdout
 
 
 def test_a_script_failing_without_the_sanitizer_fails_the_job_before_it(tmp_path):
@@ -238,9 +258,19 @@ def test_the_whole_gpu_tests_run_in_a_pass_of_their_own(tmp_path):
     proc = run(tmp_path, "tests", TESTS_LOG=str(log), GPU_TEST_WORKERS="14", GPU_WHOLE_WORKERS="2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     first, second = log.read_text().splitlines()
-    assert "-n 14 -m not whole_gpu" in first and "-n 2 -m whole_gpu" in second
+    assert "[-n][14][-m][not whole_gpu]" in first and "[-n][2][-m][whole_gpu]" in second
     assert (tmp_path / "out" / "gpu-tests.log").exists()
     assert (tmp_path / "out" / "gpu-tests-whole-gpu.log").exists()
+    assert "gpu-tests: 1 passed" in proc.stdout and "gpu-tests-whole-gpu: 1 passed" in proc.stdout
+
+
+@pytest.mark.parametrize("status,ok", [(0, True), (1, False), (5, False)])
+def test_without_xdist_one_pass_runs_every_gpu_test(tmp_path, status, ok):
+    log = tmp_path / "args"
+    proc = run(tmp_path, "tests", NO_XDIST="1", TESTS_LOG=str(log), PASS_STATUS=str(status))
+    assert (proc.returncode == 0) == ok, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (only,) = log.read_text().splitlines()
+    assert "whole_gpu" not in only and "[-n]" not in only
 
 
 @pytest.mark.parametrize("first,second,ok", [
