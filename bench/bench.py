@@ -65,7 +65,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 the persistent forward and with NativeKernelOptions(fwd_ws_persistent=False), a
                 CTA a query (issue #18: the persistent form must not lose there), 32k/16 heads;
                 at 32/64 heads the same with fwd_ws64_persistent True / False (wip/0129 applied),
-                and native_fwd_2waves_beside_gemm with fwd_ws64_persistent=2 (two CTAs an SM)
+                native_fwd_2waves_beside_gemm with fwd_ws64_persistent=2 (two CTAs an SM)
+                and native_fwd_dynamic_beside_gemm with fwd_ws64_dynamic (wip/0143: the queries
+                after each CTA's first from a counter)
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
@@ -633,13 +635,18 @@ def run(args):
             field = {16: "fwd_ws_persistent", 32: "fwd_ws64_persistent",
                      64: "fwd_ws64_persistent"}.get(heads)
             if field and L == 32768 and has_native_option(field):
-                ways = [("native_fwd_beside_gemm", True), ("native_fwd_cta_beside_gemm", False)]
+                ways = [("native_fwd_beside_gemm", {field: True}),
+                        ("native_fwd_cta_beside_gemm", {field: False})]
                 if field == "fwd_ws64_persistent":  # wip/0129: two CTAs an SM (two waves)
-                    ways.append(("native_fwd_2waves_beside_gemm", 2))
-                for name, persistent in ways:
+                    ways.append(("native_fwd_2waves_beside_gemm", {field: 2}))
+                    if has_native_option("fwd_ws64_dynamic"):
+                        # wip/0143: the queries after each CTA's first from a counter
+                        ways.append(("native_fwd_dynamic_beside_gemm",
+                                     {field: True, "fwd_ws64_dynamic": True}))
+                for name, way in ways:
                     add(name, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
-                        options={field: persistent}), True)
+                        options=way), True)
         if wanted("cudnn") or wanted("cudnn_fwd"):
             if cudnn_mod is None:
                 for name in ("cudnn", "cudnn_fwd"):

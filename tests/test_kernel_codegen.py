@@ -486,6 +486,44 @@ def test_fwd_native_ws64_compiles_for_sm90a(sm90, heads):
 
 @needs_tilelang
 @needs_nvcc
+@pytest.mark.skipif(not _has_option("fwd_ws64_dynamic"),
+                    reason="wip/0143 (NativeKernelOptions.fwd_ws64_dynamic) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_fwd_native_ws64_dynamic_compiles_for_sm90a(sm90, heads):
+    """wip/0143: the persistent forward's CTAs take their queries after the first from a counter.
+    Only the producer's thread 0 adds to it, once a query, after the consumers have freed Q and
+    before the producer loads the next Q; it hands the query over on a one-arrival barrier that
+    every warpgroup waits on, and every warpgroup leaves its loop at the first query past the
+    last. The same registers' budget and shared memory (plus the two handed-over ints) as the
+    fixed shares."""
+    topk = _round_up(2051, 2 * BLOCK_I)
+    args = (heads, D_V, topk, None)
+    src, smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk} ctas 132 dynamic",
+                          fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
+                          runtime_scale=True, ctas=132, dynamic=True)
+    _, fixed_smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk} ctas 132",
+                              fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
+                              runtime_scale=True, ctas=132)
+    _check_setmaxnreg_budget(src)
+    assert "bar_qn[0].init(1);" in src
+    wg0, wg1, producer = _split_ws64_fwd(src)
+    assert src.count("atomicAdd(") == 1 and "atomicAdd(" in producer
+    free, add = producer.index("bar_q_free[0].wait("), producer.index("atomicAdd(")
+    assert free < add < producer.index("bar_qn[0].arrive()") < producer.index("(&(Q[")
+    for wg in (wg0, wg1, producer):
+        assert "break;" in wg and "bar_qn[0].wait(" in wg
+        assert wg.index("bar_qn[0].wait(") < wg.index("break;")
+    assert "bar_qn[0].arrive()" not in wg0 + wg1
+    # the producer's own named barrier (TileLang's around the handed-over int), none of theirs
+    assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", wg0)) == {"3"}
+    assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", wg1)) == {"4"}
+    assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", producer)) <= {"5"}
+    assert 0 <= _only_smem(smem) - _only_smem(fixed_smem) <= 16
+    assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
+
+
+@needs_tilelang
+@needs_nvcc
 @pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
                     reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
 @pytest.mark.parametrize("heads", [32, 64])

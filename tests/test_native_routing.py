@@ -150,13 +150,25 @@ class KernelFakes:
     def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False, ctas=0,
                      **drafts):
         # ctas: wip/0129's persistent form (the series' wrapper does not pass it); drafts:
-        # wip/0130's fast_exp2, wip/0131's shared_mask and wip/0136's wide_store (passed only
-        # when on)
-        assert set(drafts) <= {"fast_exp2", "shared_mask", "wide_store"}, drafts
+        # wip/0130's fast_exp2, wip/0131's shared_mask, wip/0136's wide_store and wip/0143's
+        # dynamic (passed only when on)
+        assert set(drafts) <= {"fast_exp2", "shared_mask", "wide_store", "dynamic"}, drafts
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
         self.builds[-1].update(kind="fwd_ws64", ctas=ctas, **drafts)
-        return kernel
+        if not drafts.get("dynamic"):
+            return kernel
+        assert ctas and runtime_scale, "wip/0143: dynamic only with ctas and the runtime scale"
+        build = self.builds[-1]
+
+        def counted(q, kv, indices, counter, *scale):
+            # wip/0143: the query counter, zero at each call, before the scale
+            assert counter.dtype == torch.int32 and counter.shape == (1,)
+            assert counter.device == q.device and int(counter[0]) == 0
+            build["counters"] = build.get("counters", 0) + 1
+            return kernel(q, kv, indices, *scale)
+
+        return counted
 
     def get_pre(self, H, D):
         def kernel(o, do):
@@ -718,6 +730,29 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
     assert [b["kind"] for b in fwd] == ["fwd_ws64"]
     assert fwd[0]["ctas"] == 7 * int(persist)
     assert set(asked) == ({query.device} if persist else set())
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
+@pytest.mark.skipif(not _has_option("fwd_ws64_dynamic"),
+                    reason="wip/0143 (NativeKernelOptions.fwd_ws64_dynamic) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("persist", [False, True, 2])
+def test_native_fwd_ws64_dynamic_switch(fakes, monkeypatch, heads, persist):
+    """wip/0143: NativeKernelOptions.fwd_ws64_dynamic builds the persistent 64-row forward with
+    its query counter and passes a zero int32 counter at each call (before the scale); without
+    fwd_ws64_persistent it changes nothing (a CTA a query has no counter). The gradients
+    through the hook are the reference's."""
+    _fake_sm_count(monkeypatch, 7)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(fwd_ws64=True, fwd_ws64_persistent=persist, fwd_ws64_dynamic=True):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
+    assert [b["kind"] for b in fwd] == ["fwd_ws64"]
+    assert fwd[0]["ctas"] == 7 * int(persist)
+    assert fwd[0].get("dynamic", False) == bool(persist)
+    assert fwd[0].get("counters", 0) == (1 if persist else 0)
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 

@@ -319,7 +319,8 @@ def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, he
     assert_bitwise(on, off, "changes with early_ps_release in the deterministic form")
 
 
-# wip/0129 (issue #18), in runs that apply it with WIP_PATCHES: 0112's forward persistent, one
+# wip/0129 (issue #18), in runs that apply it with WIP_PATCHES (and wip/0143's query counter
+# where that is applied too): 0112's forward persistent, one
 # CTA an SM walking the queries of the flattened batch x sequence (two sequences of 300, bucketed
 # to 512: up to eight queries a CTA, across the batch boundary; one of 100 bucketed to 128: fewer
 # queries than SMs, so some CTAs have none; top-k 65: one block pair a query, so Q is handed
@@ -328,12 +329,16 @@ def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, he
 # blocks in the same order either way).
 @pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
                     reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
-@pytest.mark.parametrize("waves", [True, 2])
+@pytest.mark.parametrize("waves,dynamic", [(True, False), (2, False)] + [
+    pytest.param(w, True, marks=pytest.mark.skipif(
+        not _has_option("fwd_ws64_dynamic"),
+        reason="wip/0143 (NativeKernelOptions.fwd_ws64_dynamic) is not applied"))
+    for w in (True, 2)])
 @pytest.mark.parametrize("sq,batch,bucket", [(300, 2, None), (100, 1, "128")])
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, topk, sq, batch,
-                                                           bucket, waves):
+                                                           bucket, waves, dynamic):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     if bucket:
         monkeypatch.setenv("MCORE_DSA_TILELANG_SEQ_BUCKET", bucket)
@@ -343,7 +348,9 @@ def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, t
     do = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
     idx = torch.stack([causal_random_indices(sq, sq, topk, g) for _ in range(batch)]).to(DEV)
     idx[batch - 1, 7] = -1
-    got, want = with_and_without(q, k, idx, do, fwd_ws64_persistent=waves)  # (2: two CTAs an SM)
+    # (2: two CTAs an SM; dynamic, wip/0143: the queries after each CTA's first from a counter)
+    forms = dict(fwd_ws64_persistent=waves, **({"fwd_ws64_dynamic": True} if dynamic else {}))
+    got, want = with_and_without(q, k, idx, do, **forms)
     assert torch.equal(got[0], want[0]), "out differs from a CTA a query's"
     assert torch.equal(got[1], want[1]), "dq differs from a CTA a query's"
     for b in range(batch):
