@@ -71,6 +71,9 @@ VARIANTS = {
     # wip/0136 (NativeKernelOptions.fwd_ws64_wide_store): the output 16 bytes a lane
     "ws64_wide": (False, {}),
     "ws64_persist_fexp_smask_wide": (False, {}),
+    # wip/0143 (NativeKernelOptions.fwd_ws64_dynamic): the persistent CTAs' queries from a counter
+    "ws64_persist_dyn": (False, {}),
+    "ws64_persist_fexp_smask_dyn": (False, {}),
     # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
     "ws64_l2kl": (False, {}),
     "ws64_l2klpf": (False, {}),
@@ -89,6 +92,7 @@ _PERSIST = ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch")
 _FAST_EXP2 = ("fast_exp2", "wip/0130-native-fast-exp2.patch")
 _SHARED_MASK = ("fwd_ws64_shared_mask", "wip/0131-fwd-ws64-shared-mask.patch")
 _WIDE_STORE = ("fwd_ws64_wide_store", "wip/0136-fwd-ws64-wide-store.patch")
+_DYNAMIC = ("fwd_ws64_dynamic", "wip/0143-fwd-ws64-dynamic-queries.patch")
 WIP_OPTIONS = {
     "ws64_async": (("fwd_ws64_async_gemms", "wip/0117-fwd-ws64-async-gemms.patch"),),
     "ws64_persist": (_PERSIST,),
@@ -101,6 +105,8 @@ WIP_OPTIONS = {
     "ws64_persist_smask": (_PERSIST, _SHARED_MASK),
     "ws64_wide": (_WIDE_STORE,),
     "ws64_persist_fexp_smask_wide": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _WIDE_STORE),
+    "ws64_persist_dyn": (_PERSIST, _DYNAMIC),
+    "ws64_persist_fexp_smask_dyn": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC),
 }
 
 
