@@ -454,6 +454,15 @@ def _split_ws64_fwd(src):
     return wg0, wg1, producer
 
 
+def _ws64_fwd_sm90a(sm90, heads, **draft):
+    """0112's forward at top-k 2051 with the scale at each call (the route's build), for sm_90a,
+    with a draft's arguments; one build a set of them (the fixture keys by the name)."""
+    topk = _round_up(2051, 2 * BLOCK_I)
+    name = f"fwd_ws64 h{heads} topk {topk}" + "".join(f" {k}={v}" for k, v in sorted(draft.items()))
+    return _sm90a(sm90, name, fwd_mod.sparse_mla_fwd_nope_ws64, heads, D_V, topk, None,
+                  block_I=BLOCK_I, runtime_scale=True, **draft)
+
+
 @needs_tilelang
 @needs_nvcc
 @needs("0112")
@@ -464,9 +473,7 @@ def test_fwd_native_ws64_compiles_for_sm90a(sm90, heads):
     early 0070 draft); both consumers store their half of the output, WG0 the LSE; the producer
     loads Q with zero-filling cp.async, predicated on the row at 32 heads (run as 64 rows, the
     rows past the heads zero and never stored). setmaxnreg fits (216/216/72)."""
-    topk = _round_up(2051, 2 * BLOCK_I)
-    src, smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk}", fwd_mod.sparse_mla_fwd_nope_ws64,
-                          heads, D_V, topk, None, block_I=BLOCK_I, runtime_scale=True)
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads)
     assert "__launch_bounds__(384" in src and "int topk_len" in src
     assert len(_scalar_params(src, "main_kernel")) == 1  # 0108: the scale at each call
     _check_setmaxnreg_budget(src)
@@ -496,14 +503,8 @@ def test_fwd_native_ws64_dynamic_compiles_for_sm90a(sm90, heads):
     every warpgroup waits on, and every warpgroup leaves its loop at the first query past the
     last. The same registers' budget and shared memory (plus the two handed-over ints) as the
     fixed shares."""
-    topk = _round_up(2051, 2 * BLOCK_I)
-    args = (heads, D_V, topk, None)
-    src, smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk} ctas 132 dynamic",
-                          fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
-                          runtime_scale=True, ctas=132, dynamic=True)
-    _, fixed_smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk} ctas 132",
-                              fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
-                              runtime_scale=True, ctas=132)
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, ctas=132, dynamic=True)
+    _, fixed_smem, _ = _ws64_fwd_sm90a(sm90, heads, ctas=132)
     _check_setmaxnreg_budget(src)
     assert "bar_qn[0].init(1);" in src
     wg0, wg1, producer = _split_ws64_fwd(src)
@@ -533,14 +534,8 @@ def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads):
     the score GEMMs (waited); the producer waits on it before loading the next Q and adds no
     CTA-wide sync; the warpgroups keep their own named barriers, the same shared memory as a
     CTA a query, and the barriers' phases count pairs over the queries."""
-    topk = _round_up(2051, 2 * BLOCK_I)
-    args = (heads, D_V, topk, None)
-    src, smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk} ctas 132",
-                          fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
-                          runtime_scale=True, ctas=132)
-    one, one_smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk}",
-                              fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
-                              runtime_scale=True)
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, ctas=132)
+    one, one_smem, _ = _ws64_fwd_sm90a(sm90, heads)
     assert "bar_q_free[0].init(256);" in src
     _check_setmaxnreg_budget(src)
     wg0, wg1, producer = _split_ws64_fwd(src)
@@ -858,14 +853,8 @@ def test_fwd_native_ws64_shared_mask_compiles_for_sm90a(sm90, heads):
     the second GEMM has completed and adds the mask from shared memory before the row maxima.
     The producer's 16 writers (one a row group) arrive after the pair's last gather is issued.
     512 B (2 x 64 fp32) more shared memory than without."""
-    topk = _round_up(2051, 2 * BLOCK_I)
-    args = (heads, D_V, topk, None)
-    src, smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk} shared_mask",
-                          fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
-                          runtime_scale=True, shared_mask=True)
-    _, one_smem, _ = _sm90a(sm90, f"fwd_ws64 h{heads} topk {topk}",
-                            fwd_mod.sparse_mla_fwd_nope_ws64, *args, block_I=BLOCK_I,
-                            runtime_scale=True)
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, shared_mask=True)
+    _, one_smem, _ = _ws64_fwd_sm90a(sm90, heads)
     assert "bar_mask[0].init(16);" in src
     _check_setmaxnreg_budget(src)
     wg0, wg1, producer = _split_ws64_fwd(src)
@@ -887,14 +876,12 @@ def test_fwd_native_ws64_shared_mask_compiles_for_sm90a(sm90, heads):
 def test_native_fast_exp2_compiles_for_sm90a(sm90, kernel):
     """wip/0130: with fast_exp2 every exponential of the kernel is the prelude's ex2.approx.ftz
     helper and none is exp2f; without it, none is the helper (the series' kernel)."""
-    topk = _round_up(2051, 2 * BLOCK_I)
     if kernel == "fwd_ws":
         build = lambda **kw: _sm90a(sm90, f"fwd_ws h16 {kw}", fwd_mod.sparse_mla_fwd_nope_ws, 16,
                                     D_V, _round_up(2051, 3 * BLOCK_I), None, block_I=BLOCK_I,
                                     num_buffers=3, ctas=132, runtime_scale=True, **kw)
     elif kernel == "fwd_ws64":
-        build = lambda **kw: _sm90a(sm90, f"fwd_ws64 h64 {kw}", fwd_mod.sparse_mla_fwd_nope_ws64,
-                                    64, D_V, topk, None, block_I=BLOCK_I, runtime_scale=True, **kw)
+        build = lambda **kw: _ws64_fwd_sm90a(sm90, 64, **kw)
     else:
         build = lambda **kw: _sm90a(sm90, f"bwd_ws64 h64 {kw}", bwd_mod.sparse_mla_bwd_ws64, 64,
                                     D_V, _round_up(2051, 64), runtime_scale=True, dkv_stages=2,

@@ -717,42 +717,28 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
                     reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("persist", [False, True, 2])
-def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist):
+@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _has_option("fwd_ws64_dynamic"),
+    reason="wip/0143 (NativeKernelOptions.fwd_ws64_dynamic) is not applied"))])
+def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist, dynamic):
     """wip/0129: NativeKernelOptions.fwd_ws64_persistent builds 0112's forward with one CTA an SM
     of the query's device (2: two, two waves); off (the default), a CTA a query, without asking
-    the device. The gradients through the hook are the reference's either way."""
+    the device. wip/0143's fwd_ws64_dynamic builds the persistent one with its query counter and
+    passes a zero int32 counter at each call (before the scale); without fwd_ws64_persistent it
+    changes nothing (a CTA a query has no counter). The gradients through the hook are the
+    reference's either way."""
     asked = _fake_sm_count(monkeypatch, 7)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
-    with options(fwd_ws64=True, fwd_ws64_persistent=persist):  # 0112 off (the fixture)
+    fields = dict(fwd_ws64_persistent=persist, **({"fwd_ws64_dynamic": True} if dynamic else {}))
+    with options(fwd_ws64=True, **fields):  # 0112 off (the fixture)
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
     assert [b["kind"] for b in fwd] == ["fwd_ws64"]
     assert fwd[0]["ctas"] == 7 * int(persist)
     assert set(asked) == ({query.device} if persist else set())
-    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
-
-
-@needs_tilelang
-@pytest.mark.skipif(not _has_option("fwd_ws64_dynamic"),
-                    reason="wip/0143 (NativeKernelOptions.fwd_ws64_dynamic) is not applied")
-@pytest.mark.parametrize("heads", [32, 64])
-@pytest.mark.parametrize("persist", [False, True, 2])
-def test_native_fwd_ws64_dynamic_switch(fakes, monkeypatch, heads, persist):
-    """wip/0143: NativeKernelOptions.fwd_ws64_dynamic builds the persistent 64-row forward with
-    its query counter and passes a zero int32 counter at each call (before the scale); without
-    fwd_ws64_persistent it changes nothing (a CTA a query has no counter). The gradients
-    through the hook are the reference's."""
-    _fake_sm_count(monkeypatch, 7)
-    topk, scale = 131, 512 ** -0.5
-    query, key, idx = _inputs(512, topk, heads, 256, 512)
-    with options(fwd_ws64=True, fwd_ws64_persistent=persist, fwd_ws64_dynamic=True):
-        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
-    fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
-    assert [b["kind"] for b in fwd] == ["fwd_ws64"]
-    assert fwd[0]["ctas"] == 7 * int(persist)
-    assert fwd[0].get("dynamic", False) == bool(persist)
-    assert fwd[0].get("counters", 0) == (1 if persist else 0)
+    assert fwd[0].get("dynamic", False) == (dynamic and bool(persist))
+    assert fwd[0].get("counters", 0) == (1 if dynamic and persist else 0)
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
