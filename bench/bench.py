@@ -51,8 +51,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 evict_first loads, block phase or index sort; without hoisted indices 0133's row
                 pairs are off too), 32 and 64 heads; checked against the native route
   native_head_block_bwd 512/2051  the native route with NativeKernelOptions(bwd_ws64_16_heads=False)
-                (without 0134: the head-block backward at 16 heads), 16 heads at every length;
-                checked against the native route
+                at 16 heads (without 0134) and bwd_ws64_few_heads=False below 16 (without
+                0153): the head-block backward there, at every length; checked against the
+                native route
   --ab NAME:FIELD=VALUE,...  512/2051  the native route with these NativeKernelOptions fields (an
                 A/B row named NAME, repeatable), every configuration with the native route;
                 checked against the native route
@@ -594,12 +595,14 @@ def run(args):
                 add("native_wg1_dkv", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
                     options=dict(bwd_wg0_dkv_chunks=0), ref=native_results()))
-            if heads == 16 and has_native_option("bwd_ws64_16_heads") and wanted(
-                    "native_head_block_bwd"):
-                # A/B of patch 0134 (16 heads on 0113's 64-row backward), every length
+            # A/B of patch 0134 (16 heads on 0113's 64-row backward) and of 0153 (fewer heads),
+            # every length
+            head_block = ({16: "bwd_ws64_16_heads"}.get(heads) if heads >= 16 else
+                          "bwd_ws64_few_heads")
+            if head_block and has_native_option(head_block) and wanted("native_head_block_bwd"):
                 add("native_head_block_bwd", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,
-                    options=dict(bwd_ws64_16_heads=False), ref=native_results()))
+                    options={head_block: False}, ref=native_results()))
             if heads in (32, 64) and L == 32768 and has_native_option("bwd_add_warpgroup"):
                 # wip/0116 (a draft): the backward with an add warpgroup
                 add("native_add_wg", 512, 2051, fwd_bwd(

@@ -113,6 +113,8 @@ def chunk_variants(heads):
 
     # 0134: 16 heads on the 64-row kernel too (the route's since .26)
     ws64_heads = (16, 32, 64) if has_native_option("bwd_ws64_16_heads") else (32, 64)
+    if has_native_option("bwd_ws64_few_heads"):  # 0153: and fewer (the route's since .31)
+        ws64_heads += tuple(range(1, 16))
     if heads in ws64_heads and ws64_fn is not None:
         # 0113: warpgroup roles with 64-row tiles (32 heads as 64 rows), dKV in line order
         v["native_ws64"] = dict(base, ws64=True, dkv_lines=True)

@@ -104,6 +104,7 @@ FEATURES = {
              lambda: _has_option("bwd_deterministic_form")),
     "0152": ("NativeKernelOptions.bwd_deterministic_fine_scales",
              lambda: _has_option("bwd_deterministic_fine_scales")),
+    "0153": ("NativeKernelOptions.bwd_ws64_few_heads", lambda: _has_option("bwd_ws64_few_heads")),
 }
 
 

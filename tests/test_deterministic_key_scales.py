@@ -152,7 +152,7 @@ class KeyFixedFakes:
         assert dkv_key_fixed in ("int32x2", "fp32"), dkv_key_fixed
         assert dkv_key_fixed == "fp32" or dkv_key_groups == 1
         assert levers.get("block_phase_ns", 0) == 0
-        self.levers, self.form = levers, dkv_key_fixed
+        self.levers, self.form, self.heads = levers, dkv_key_fixed, H
         groups = dkv_key_groups
 
         def kernel(q, kv, do, indices, lse, delta, dkv, scale, key_scale):
@@ -205,7 +205,7 @@ class KeyFixedFakes:
 
 @pytest.mark.parametrize("form", ["default", "int32x2", "fp32", "fp32/4", pytest.param(
     "fp32+fine", marks=needs("0152"))])
-@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("heads", [pytest.param(8, marks=needs("0153")), 16, 64])
 @pytest.mark.parametrize("sort", [False, pytest.param(True, marks=pytest.mark.skipif(
     not _has_option("bwd_deterministic_sort"),
     reason="wip/0138 (NativeKernelOptions.bwd_deterministic_sort) is not applied")),
@@ -221,7 +221,8 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
     each query's indices sorted by key (without it, as given), and the gradients are the same.
     Series 0142 (phase, its default): the adds pass gets the device's SM count as
     block_phase_queries, and both passes the sorted indices; the other cases run with
-    bwd_block_phase_queries=0 (the timer's A/B, which the deterministic route leaves off)."""
+    bwd_block_phase_queries=0 (the timer's A/B, which the deterministic route leaves off).
+    8 heads (0153): the same route, on the 64-row kernel built for 8 heads."""
     from sparse_ref import causal_random_indices
     from test_native_routing import _attend, _bwd_from_lse_delta, _fake_sm_count, _lse_log2, options
 
@@ -265,6 +266,7 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
         dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
     assert torch.equal(idx, given), "the caller's indices are left as given"
     assert f.form == ("fp32" if default else form)
+    assert f.heads == heads  # the kernel built for the caller's heads (8: as 64 rows)
     if default or fine:  # 0152: the scales are not all powers of two
         selected = f.key_scale[f.key_scale != 1]
         assert not torch.equal(torch.frexp(selected)[0], torch.full_like(selected, 0.5))

@@ -558,13 +558,14 @@ def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads):
 @needs_tilelang
 @needs_nvcc
 @needs("0113")
-@pytest.mark.parametrize("heads", [pytest.param(16, marks=needs("0134")), 32, 64])
+@pytest.mark.parametrize("heads", [pytest.param(8, marks=needs("0153")),
+                                   pytest.param(16, marks=needs("0134")), 32, 64])
 def test_bwd_native_ws64_compiles_for_sm90a(sm90, heads):
     """0113: 256 threads, a CTA a query. WG0 gathers (zero-filling cp.async), computes P and dS
     and stores the left half of dQ; WG1 the right half and dKV, added 4 floats at a time from
     registers into the line-ordered accumulator with 0080's index test, no 2-float adds. At 32
-    heads (0134: and 16) the tiles are 64 rows: the rows past the heads load zeros (predicated),
-    take an infinite LSE (P = 0) and are not stored."""
+    heads (0134: and 16; 0153: and 8) the tiles are 64 rows: the rows past the heads load zeros
+    (predicated), take an infinite LSE (P = 0) and are not stored."""
     topk = _round_up(2051, BWD_BLOCK)
     src, smem, _ = _sm90a(sm90, f"bwd_ws64 h{heads} topk {topk}", bwd_mod.sparse_mla_bwd_ws64,
                           heads, D_V, topk, runtime_scale=True)

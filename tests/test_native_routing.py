@@ -645,10 +645,10 @@ def test_native_forward_warp_specialized_switch(fakes, monkeypatch, heads, kerne
 def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, fwd_on, bwd_on):
     """0112/0113 (both on by default): at 32 and 64 kernel heads the native forward is the
     64-row warp-specialized kernel (built for top-k rounded to two 64-index blocks) and the
-    backward (0134: at 16 too) the kernel with warpgroup roles (dKV in line order, so the line-order
-    postprocess); each on its own with NativeKernelOptions fwd_ws64 / bwd_ws64, the other head
-    counts untouched. Both take the caller's q, kv and indices, and the gradients through the
-    hook are the reference's. Upstream's MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H, and 0050's
+    backward (0134: at 16 too; 0153: and 8) the kernel with warpgroup roles (dKV in line order,
+    so the line-order postprocess); each on its own with NativeKernelOptions fwd_ws64 /
+    bwd_ws64, the other head counts untouched. Both take the caller's q, kv and indices, and the
+    gradients through the hook are the reference's. Upstream's MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H, and 0050's
     schedule=False, give the head-block backward back."""
     monkeypatch.delenv("MCORE_DSA_TILELANG_SEQ_BUCKET", raising=False)
     topk, scale = 131, 512 ** -0.5
@@ -657,8 +657,9 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     rows64 = kernel_heads in (32, 64)
     native_heads = heads if has("0123") else kernel_heads  # 0123: 8 heads on 16-row tiles
-    # 0134: 16 kernel heads take the 64-row backward too
-    bwd_rows64 = native_heads in ((16, 32, 64) if has("0134") else (32, 64))
+    # 0134: 16 kernel heads take the 64-row backward too; 0153: and fewer (8)
+    bwd_rows64 = native_heads in ((16, 32, 64) if has("0134") else (32, 64)) or (
+        native_heads < 16 and has("0153"))
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
     bwd = [b for b in fakes.builds if b["kind"].startswith("bwd")]
     post = [b for b in fakes.builds if b["kind"] == "post"]
@@ -895,10 +896,32 @@ def test_native_16_heads_backward_switch(fakes, heads, on, kind):
 
     assert NativeKernelOptions().bwd_ws64_16_heads, "0134's default"
     switch = {} if on is None else {"bwd_ws64_16_heads": on}
+    if heads < 16 and _has_option("bwd_ws64_few_heads"):  # (0153's route: its own test below)
+        switch["bwd_ws64_few_heads"] = False
     built = _backward_builds(fakes, heads, bwd_ws64=True, **switch)
     assert [b["kind"] for b in built] == [kind]
     if kind == "bwd_ws64":
         assert built[0]["heads"] == heads
+
+
+@needs_tilelang
+@needs("0153")
+@pytest.mark.parametrize("heads", [1, 8, 12, 15])
+@pytest.mark.parametrize("on", [None, False, True])
+def test_native_few_heads_backward_switch(fakes, heads, on):
+    """0153: fewer than 16 kernel heads take 0113's 64-row backward (the default), built for the
+    caller's heads, whatever bwd_ws64_16_heads says; bwd_ws64_few_heads=False keeps the
+    head-block kernel there. The gradients through the hook are the reference's. (The
+    deterministic route's kernels there: tests/test_deterministic_key_scales.py.)"""
+    from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
+        NativeKernelOptions,
+    )
+
+    assert NativeKernelOptions().bwd_ws64_few_heads, "0153's default"
+    switch = {} if on is None else {"bwd_ws64_few_heads": on}
+    built = _backward_builds(fakes, heads, bwd_ws64=True, bwd_ws64_16_heads=False, **switch)
+    assert [b["kind"] for b in built] == (["bwd"] if on is False else ["bwd_ws64"])
+    assert built[0]["heads"] == heads
 
 
 @needs_tilelang

@@ -202,7 +202,7 @@ def test_native_deterministic_backward_is_bitwise_repeatable(monkeypatch, heads,
 # default (fp32 atomics) backward's (a 2% margin: both are dominated by the bf16 P and dS).
 @needs("0151")
 @pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [16, 32, 64])
+@pytest.mark.parametrize("heads", [pytest.param(8, marks=needs("0153")), 16, 32, 64])
 @pytest.mark.parametrize("form", ["int64", "int32x2", "fp32", "fp32/4", pytest.param(
     "fp32+fine", marks=needs("0152"))])
 def test_native_deterministic_key_scales(monkeypatch, form, heads, topk):
@@ -484,6 +484,18 @@ def test_native_backward_16_heads_ws64_matches_fp32_reference(monkeypatch, topk,
         pytest.skip("0133 (NativeKernelOptions.bwd_ws64_row_pairs) is not in the tree")
     native_backward_matches_fp32_reference(monkeypatch, 16, topk, topk + 41 + pairs, 9,
                                            bwd_ws64_16_heads=True, **extra)
+
+
+# 0153 (issue #17): fewer than 16 kernel heads through the 64-row backward (the rows past H zero),
+# with and without 0133's row-pair adds, against the FP32 reference: 8 (GLM at TP 8), 1 and 12
+# (rows that end inside a 16-row load group).
+@needs("0153")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [1, 8, 12])
+@pytest.mark.parametrize("pairs", [False, True])
+def test_native_backward_few_heads_ws64_matches_fp32_reference(monkeypatch, heads, topk, pairs):
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 43 + pairs, 9,
+                                           bwd_ws64_few_heads=True, bwd_ws64_row_pairs=pairs)
 
 
 # wip/0137 (issue #17), in runs that apply it with WIP_PATCHES: the row pairs' dKV adds with an
