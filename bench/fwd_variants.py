@@ -12,7 +12,7 @@ warp-specialized kernel with two KV buffers, where the installed tree has it; ws
 with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
 ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_async: FlashMLA's GEMM
-waits, with WIP_PATCHES=wip/0117-fwd-ws64-async-gemms.patch; ws64_persist: one CTA an SM
+waits, with WIP_PATCHES=wip/0144-fwd-ws64-async-gemms-pipelined.patch; ws64_persist: one CTA an SM
 walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp: exp2 as one
 ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; _smask: -1 entries masked after the score
 GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _wide: the output stored
@@ -54,7 +54,7 @@ VARIANTS = {
     "ws3_w_np": (True, {}),
     # 0112 (NativeKernelOptions.fwd_ws64): 64-row tiles, two consumer warpgroups, 32/64 heads
     "ws64": (False, {}),
-    # wip/0117 (NativeKernelOptions.fwd_ws64_async_gemms): FlashMLA's GEMM waits
+    # wip/0144 (NativeKernelOptions.fwd_ws64_async_gemms): FlashMLA's GEMM waits
     "ws64_async": (False, {}),
     # wip/0129 (NativeKernelOptions.fwd_ws64_persistent): one CTA an SM walking the queries
     "ws64_persist": (False, {}),
@@ -94,7 +94,7 @@ _SHARED_MASK = ("fwd_ws64_shared_mask", "wip/0131-fwd-ws64-shared-mask.patch")
 _WIDE_STORE = ("fwd_ws64_wide_store", "wip/0136-fwd-ws64-wide-store.patch")
 _DYNAMIC = ("fwd_ws64_dynamic", "wip/0143-fwd-ws64-dynamic-queries.patch")
 WIP_OPTIONS = {
-    "ws64_async": (("fwd_ws64_async_gemms", "wip/0117-fwd-ws64-async-gemms.patch"),),
+    "ws64_async": (("fwd_ws64_async_gemms", "wip/0144-fwd-ws64-async-gemms-pipelined.patch"),),
     "ws64_persist": (_PERSIST,),
     "ws_fexp": (_FAST_EXP2,),
     "ws64_fexp": (_FAST_EXP2,),

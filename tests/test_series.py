@@ -259,3 +259,25 @@ def test_wip_stack_applies_on_the_series(pristine, tmp_path):
         # series' patches are held to it by series.py; a draft joins the series as it is)
         head = (ROOT / "wip" / name).read_text().split("\n--- a/")[0].splitlines()
         assert head[0].startswith("Description: ") and head[-1] == "---", f"wip/{name}: {head[-1]!r}"
+
+
+def test_wip_alone_drafts_apply_on_the_series(pristine, tmp_path):
+    """The drafts wip/ALONE lists (each applied with WIP_PATCHES on its own, not in the stack:
+    they change what stacked drafts change) apply each alone on the series, fuzz 0, no offset."""
+    alone = [line.split("#")[0].strip() for line in (ROOT / "wip" / "ALONE").read_text().splitlines()]
+    alone = [name for name in alone if name]
+    assert alone, "wip/ALONE lists no draft"
+    series_tree = tmp_path / "series"
+    shutil.copytree(pristine, series_tree, symlinks=True)
+    proc = script("apply_patches.sh", series_tree)
+    assert proc.returncode == 0, proc.stderr
+    for name in alone:
+        tree = tmp_path / name
+        shutil.copytree(series_tree, tree, symlinks=True)
+        proc = subprocess.run(["patch", "-d", str(tree), *series_py.PATCH_ARGS, "-N", "-i",
+                               str(ROOT / "wip" / name)], capture_output=True, text=True)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"wip/{name} does not apply on the series: {out}"
+        assert "offset" not in out and "fuzz" not in out, f"wip/{name}: {out}"
+        head = (ROOT / "wip" / name).read_text().split("\n--- a/")[0].splitlines()
+        assert head[0].startswith("Description: ") and head[-1] == "---", f"wip/{name}: {head[-1]!r}"

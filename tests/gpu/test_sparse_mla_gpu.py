@@ -431,6 +431,23 @@ def test_native_fwd_ws64_wide_store_is_the_default_bitwise(monkeypatch, heads, t
                                           fwd_ws64_wide_store=True)
 
 
+# wip/0144 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward's consumers
+# issue their GEMMs asynchronously (FlashMLA's waits, the next pair's scores under WG0's second
+# P.V). The same GEMMs in the same order, so out and dq equal the default's bit for bit: top-k 65
+# (one pair: the last pair's wait alone), 2051 (17 pairs), rows with no valid index; and against
+# the FP32 reference.
+@pytest.mark.skipif(not _has_option("fwd_ws64_async_gemms"),
+                    reason="wip/0144 (NativeKernelOptions.fwd_ws64_async_gemms) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_native_fwd_ws64_async_gemms_is_the_default_bitwise(monkeypatch, heads, topk):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 61, 13,
+                                           fwd_ws64_async_gemms=True, **phase_off())
+    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 5, 9,
+                                          fwd_ws64_async_gemms=True)
+
+
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
 # its dQ GEMM under the block's first dKV GEMMs and frees the KV buffer after it, with no proxy
 # fence of its own. Each WG0 chunk split (0, 2 and 3: 3 gives WG1 an odd first chunk, done on its
