@@ -17,7 +17,9 @@ walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp:
 ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; _smask: -1 entries masked after the score
 GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _wide: the output stored
 16 bytes a lane, with wip/0136-fwd-ws64-wide-store.patch; ws64_l2*: L2 eviction
-and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch), flashmla. Writes
+and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch; ws64_probe_q32 /
+_o32: timing probes with wrong results, only 32 rows of Q loaded / of the output stored, with
+WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -74,6 +76,9 @@ VARIANTS = {
     # wip/0143 (NativeKernelOptions.fwd_ws64_dynamic): the persistent CTAs' queries from a counter
     "ws64_persist_dyn": (False, {}),
     "ws64_persist_fexp_smask_dyn": (False, {}),
+    # wip/0145 (timing probes, wrong results): only 32 rows of Q loaded / of the output stored
+    "ws64_probe_q32": (False, {}),
+    "ws64_probe_o32": (False, {}),
     # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
     "ws64_l2kl": (False, {}),
     "ws64_l2klpf": (False, {}),
@@ -107,6 +112,9 @@ WIP_OPTIONS = {
     "ws64_persist_fexp_smask_wide": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _WIDE_STORE),
     "ws64_persist_dyn": (_PERSIST, _DYNAMIC),
     "ws64_persist_fexp_smask_dyn": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC),
+    # (field, draft, value): an option other than True
+    "ws64_probe_q32": (("fwd_ws64_probe_q_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),
+    "ws64_probe_o32": (("fwd_ws64_probe_o_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),
 }
 
 
@@ -139,10 +147,10 @@ def call(fwd_mod, name, q, kv, idx):
             if "fwd_ws_mma" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
                 raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
             opts["fwd_ws_mma"] = "wgmma"
-    for field, draft in WIP_OPTIONS.get(name, ()):
+    for field, draft, *value in WIP_OPTIONS.get(name, ()):
         if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
             raise RuntimeError(f"{name} needs {draft} (WIP_PATCHES=)")
-        opts[field] = True
+        opts[field] = value[0] if value else True
     if hasattr(fwd_mod, "WS64_L2_HINT"):  # wip/0119
         fwd_mod.WS64_L2_HINT = WS64_L2_HINTS.get(name, "")
     elif name in WS64_L2_HINTS:

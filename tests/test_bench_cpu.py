@@ -307,3 +307,16 @@ def test_fresh_process_check_compares_each_deterministic_row_with_a_new_process(
     assert len(calls) == 3 and all("--score-order" in c for c in calls)
     assert "--ab=det_ab:bwd_deterministic=True" in calls[1]
     assert not any(c.startswith("--ab") for c in calls[0])
+
+
+def test_fwd_variants_name_drafts_that_exist():
+    """bench/fwd_variants.py's variants that need a wip draft name an option and a draft file that
+    exists (a renamed or dropped draft fails here, not in a GPU call), and each is a variant."""
+    import fwd_variants
+
+    for name, needs in fwd_variants.WIP_OPTIONS.items():
+        assert name in fwd_variants.VARIANTS, name
+        for field, draft, *value in needs:
+            assert (ROOT / draft).is_file(), (name, draft)
+            assert field in (ROOT / draft).read_text(), (name, field, draft)
+            assert len(value) <= 1, (name, value)
