@@ -19,7 +19,8 @@ GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _wide: the o
 16 bytes a lane, with wip/0136-fwd-ws64-wide-store.patch; ws64_l2*: L2 eviction
 and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch; ws64_probe_q32 /
 _o32: timing probes with wrong results, only 32 rows of Q loaded / of the output stored, with
-WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch), flashmla. Writes
+WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch; ws64_sstore: the output staged in the Q buffer
+and stored in whole rows, with WIP_PATCHES=wip/0146-fwd-ws64-smem-store.patch), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -76,6 +77,8 @@ VARIANTS = {
     # wip/0143 (NativeKernelOptions.fwd_ws64_dynamic): the persistent CTAs' queries from a counter
     "ws64_persist_dyn": (False, {}),
     "ws64_persist_fexp_smask_dyn": (False, {}),
+    # wip/0146 (NativeKernelOptions.fwd_ws64_smem_store): the output staged in the Q buffer
+    "ws64_sstore": (False, {}),
     # wip/0145 (timing probes, wrong results): only 32 rows of Q loaded / of the output stored
     "ws64_probe_q32": (False, {}),
     "ws64_probe_o32": (False, {}),
@@ -112,6 +115,7 @@ WIP_OPTIONS = {
     "ws64_persist_fexp_smask_wide": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _WIDE_STORE),
     "ws64_persist_dyn": (_PERSIST, _DYNAMIC),
     "ws64_persist_fexp_smask_dyn": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC),
+    "ws64_sstore": (("fwd_ws64_smem_store", "wip/0146-fwd-ws64-smem-store.patch"),),
     # (field, draft, value): an option other than True
     "ws64_probe_q32": (("fwd_ws64_probe_q_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),
     "ws64_probe_o32": (("fwd_ws64_probe_o_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),

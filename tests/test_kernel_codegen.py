@@ -490,7 +490,11 @@ _WS64_BUILDS = {
         runtime_scale=True, **_bwd_ws64_route_levers()),
     "fwd_ws64_async": lambda sm90: _ws64_fwd_sm90a(sm90, 64, async_gemms=True),
     "fwd_ws64_async_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, async_gemms=True),
+    "fwd_ws64_smem_store": lambda sm90: _ws64_fwd_sm90a(sm90, 64, smem_store=True),
 }
+_WS64_DRAFTS = {"fwd_ws64_async": ("fwd_ws64_async_gemms", "wip/0144"),
+                "fwd_ws64_async_h32": ("fwd_ws64_async_gemms", "wip/0144"),
+                "fwd_ws64_smem_store": ("fwd_ws64_smem_store", "wip/0146")}
 
 
 def _bwd_ws64_route_levers():
@@ -513,21 +517,42 @@ def _bwd_ws64_route_levers():
 @needs("0113")
 @pytest.mark.parametrize("kind", ["fwd_ws64", "bwd_ws64"] + [pytest.param(
     kind, marks=pytest.mark.skipif(
-        not _has_option("fwd_ws64_async_gemms"),
-        reason="wip/0144 (NativeKernelOptions.fwd_ws64_async_gemms) is not applied"))
-    for kind in ("fwd_ws64_async", "fwd_ws64_async_h32")])
+        not _has_option(field), reason=f"{draft} (NativeKernelOptions.{field}) is not applied"))
+    for kind, (field, draft) in _WS64_DRAFTS.items()])
 def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     """ptxas serializes every wgmma of a kernel (its warning C7514) when a non-wgmma
     instruction touches the accumulator of one still in flight, for instance one left in flight
     across a loop's back edge: each HGMMA then gets its own arrive and wait (wip/0117 lost
     20-26% of the forward that way in run 19). The 64-row kernels the route builds at 64 heads
-    (and wip/0144's forward at 64 and 32 heads, where applied) compile without it and without
-    spills."""
+    (and wip/0144's forward at 64 and 32 heads, wip/0146's at 64, where applied) compile without
+    it and without spills."""
     src, _, _ = _WS64_BUILDS[kind](sm90)
     report = _ptxas_report(src)
     assert "C7514" not in report and "serialized" not in report, report[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(st == ld == "0" for st, ld in spills), spills
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.skipif(not _has_option("fwd_ws64_smem_store"),
+                    reason="wip/0146 (NativeKernelOptions.fwd_ws64_smem_store) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_fwd_native_ws64_smem_store(sm90, heads):
+    """wip/0146: each consumer writes its output half into its half of the Q buffer with
+    stmatrix after an async-proxy fence, syncs its own warpgroup only (a CTA-wide barrier in
+    one warpgroup's branch would hang) and stores whole rows 16 bytes a thread; no 4-byte output
+    stores are left; the shared memory is the default build's."""
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, smem_store=True)
+    _, plain_smem, _ = _ws64_fwd_sm90a(sm90, heads)
+    assert smem == plain_smem
+    wg0, wg1, _ = _split_ws64_fwd(src)
+    for wg, half, bar in ((wg0, "Q_l", "3"), (wg1, "Q_r", "4")):
+        tail = wg[wg.rindex("fence_proxy_async"):]
+        assert "ptx_stmatrix" in tail and f"(bfloat16_t*){half})" in tail, tail[:400]
+        assert "__syncthreads" not in tail and f"__sync_thread_partial({bar}, 128)" in tail
+        assert re.search(r"\*\(uint4\*\)\(Output \+", tail), tail[-600:]
+    assert not re.search(r"\*\(uint1\*\)\(Output \+", src)
 
 
 @needs_tilelang

@@ -448,6 +448,20 @@ def test_native_fwd_ws64_async_gemms_is_the_default_bitwise(monkeypatch, heads, 
                                           fwd_ws64_async_gemms=True)
 
 
+# wip/0146 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward stages its
+# output in the Q buffer and stores it in whole rows. The same bf16 rounding, so out and dq
+# equal the default's bit for bit: 32 heads (32 rows stored), 64 heads, top-k 65 and 2051, rows
+# with no valid index.
+@pytest.mark.skipif(not _has_option("fwd_ws64_smem_store"),
+                    reason="wip/0146 (NativeKernelOptions.fwd_ws64_smem_store) is not applied")
+@pytest.mark.parametrize("topk", [65, 2051])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_native_fwd_ws64_smem_store_is_the_default_bitwise(monkeypatch, heads, topk):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 7, 11,
+                                          fwd_ws64_smem_store=True)
+
+
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
 # its dQ GEMM under the block's first dKV GEMMs and frees the KV buffer after it, with no proxy
 # fence of its own. Each WG0 chunk split (0, 2 and 3: 3 gives WG1 an odd first chunk, done on its
