@@ -23,16 +23,17 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 below also set bwd_ws64=False (0113's kernel replaces the head-block backward
                 they vary at 32 and 64 heads)
   native_deterministic 512/2051  NativeKernelOptions(bwd_deterministic=True) (0150-0152, what
-                megatron's deterministic_mode selects: at 16/32/64 kernel heads the per-key fp32
-                form with fine scales, elsewhere int64 fixed point); bitwise_repeat (3 calls' dq
+                megatron's deterministic_mode selects: on the 64-row backward (32/64 kernel heads,
+                16 and fewer since 0134/0153) the per-key fp32 form with fine scales, elsewhere
+                int64 fixed point); bitwise_repeat (3 calls' dq
                 and dk bitwise equal) and grads_sha256; with --fresh-process also
                 bitwise_fresh_process (the row again in a new process, the same hash); with
                 wip/0138 also native_deterministic_sorted (bwd_deterministic_sort)
   native_deterministic_int64, native_deterministic_int32x2, native_deterministic_fp32,
   native_deterministic_fp32g4 512/2051  the same with bwd_deterministic_form (0150's one scale;
                 0151's scale for each key; _fp32: 0151's power-of-two scales, without 0152's
-                fine ones; g4: bwd_deterministic_key_groups=4); at 16/32/64 kernel heads only
-                (other head counts keep 0150's int64 form whatever the row's name); with wip/0138
+                fine ones; g4: bwd_deterministic_key_groups=4); on the 64-row backward only
+                (other head counts, e.g. 128, keep 0150's int64 form whatever the row's name); with wip/0138
                 each also as _sorted (bwd_deterministic_sort: the indices sorted by key)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
                 the backward's dKV block computed and staged whole), 32k/16 and 64 heads

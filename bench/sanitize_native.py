@@ -8,8 +8,9 @@ script exits non-zero on a failed check. As scripts/gpu_run.sh sanitize runs it:
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_native.py [--quick]
 
 --quick (for racecheck, which is slow on every shared-memory access): the 8-, 16-, 32- and 64-head
-cases (8 heads: 0123's 16-row tiles with rows past the real heads; the backward's line-ordered
-dKV add at 128 threads, 0106; 0112-0114's 64-row kernels at 32 heads, run as 64 rows, and at 64,
+cases (8 heads: 0123's 16-row forward tiles with rows past the real heads, and since 0153 the
+64-row backward as 64 rows (`--option bwd_ws64_few_heads=False`: the head block's line-ordered
+dKV add at 128 threads, 0106); 0112-0114's 64-row kernels at 32 heads, run as 64 rows, and at 64,
 with top-k 257: more than one block pair), with fewer queries.
 --option NAME=VALUE (repeatable): run every case with that NativeKernelOptions field (a Python
 literal), e.g. a draft's kernel that a WIP_PATCHES run applied.

@@ -488,6 +488,9 @@ _WS64_BUILDS = {
     "bwd_ws64": lambda sm90: _sm90a(
         sm90, "bwd_ws64 h64 route", bwd_mod.sparse_mla_bwd_ws64, 64, D_V, _round_up(2051, BWD_BLOCK),
         runtime_scale=True, **_bwd_ws64_route_levers()),
+    "bwd_ws64_h8": lambda sm90: _sm90a(
+        sm90, "bwd_ws64 h8 route", bwd_mod.sparse_mla_bwd_ws64, 8, D_V, _round_up(2051, BWD_BLOCK),
+        runtime_scale=True, **_bwd_ws64_route_levers()),
     "fwd_ws64_async": lambda sm90: _ws64_fwd_sm90a(sm90, 64, async_gemms=True),
     "fwd_ws64_async_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, async_gemms=True),
     "fwd_ws64_smem_store": lambda sm90: _ws64_fwd_sm90a(sm90, 64, smem_store=True),
@@ -515,7 +518,8 @@ def _bwd_ws64_route_levers():
 @needs_tilelang
 @needs_nvcc
 @needs("0113")
-@pytest.mark.parametrize("kind", ["fwd_ws64", "bwd_ws64"] + [pytest.param(
+@pytest.mark.parametrize("kind", ["fwd_ws64", "bwd_ws64", pytest.param(
+    "bwd_ws64_h8", marks=needs("0153"))] + [pytest.param(
     kind, marks=pytest.mark.skipif(
         not _has_option(field), reason=f"{draft} (NativeKernelOptions.{field}) is not applied"))
     for kind, (field, draft) in _WS64_DRAFTS.items()])
@@ -524,8 +528,8 @@ def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     instruction touches the accumulator of one still in flight, for instance one left in flight
     across a loop's back edge: each HGMMA then gets its own arrive and wait (wip/0117 lost
     20-26% of the forward that way in run 19). The 64-row kernels the route builds at 64 heads
-    (and wip/0144's forward at 64 and 32 heads, wip/0146's at 64, where applied) compile without
-    it and without spills."""
+    (0153: the backward at 8 heads too; wip/0144's forward at 64 and 32 heads, wip/0146's at 64,
+    where applied) compile without it and without spills."""
     src, _, _ = _WS64_BUILDS[kind](sm90)
     report = _ptxas_report(src)
     assert "C7514" not in report and "serialized" not in report, report[-2000:]

@@ -118,7 +118,8 @@ def test_plan_is_the_glm_set(glm_plan):
     kernel heads, persistent over an H200's 132 SMs, and at 32 without 0112; 0112/0113's 64-row
     kernels at 32 and 64) and #7617's 576 (top-k padded to 2112). 8 query heads: the 576
     route's kernels as at 16 heads (q padded), the native route's built for 8 heads (0123: 16-row
-    tiles with the rows past 8 never stored; before it, as at 16 but for the delta, 0107). (The
+    tiles with the rows past 8 never stored, the backward's 64-row since 0153; before 0123, as at
+    16 but for the delta, 0107). (The
     indexer's kernels of the same plan: the next test.)"""
     _, calls = glm_plan
     calls = [c for c in calls if c["kind"] in SPARSE_MLA_KINDS]

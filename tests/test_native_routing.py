@@ -203,6 +203,8 @@ class KernelFakes:
         return kernel
 
     def get_bwd_ws64(self, H, D, topk, dkv_stages=1, wg0_dkv_chunks=0, **levers):
+        # the head counts the kernel takes (its builder asserts the same)
+        assert H in (32, 64) or 1 <= H <= 16, H
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
         # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), wip/0130's
         # fast_exp2, wip/0132's async_dq, 0133's row_pairs, wip/0137's dkv_evict_last_mib and
@@ -888,7 +890,8 @@ def test_native_64_row_backward_row_pairs(fakes, heads, pairs, hoist, want):
 def test_native_16_heads_backward_switch(fakes, heads, on, kind):
     """0134: 16 kernel heads take 0113's 64-row backward (the default), with 0121's sort of the
     indices as at 32/64 heads; bwd_ws64_16_heads=False keeps the head-block kernel there; fewer
-    heads keep the head-block kernel, and 32 heads the 64-row one, whatever it says. The
+    heads keep the head-block kernel (0153's own switch, bwd_ws64_few_heads, off here), and 32
+    heads the 64-row one, whatever it says. The
     gradients through the hook are the reference's."""
     from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
         NativeKernelOptions,

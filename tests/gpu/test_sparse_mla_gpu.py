@@ -16,7 +16,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import tilelan
 from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
     override_native_kernel_options,
 )
-from native_kernels import _has_option, has, needs
+from native_kernels import _has_option, bwd_mod, has, needs
 from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
@@ -177,17 +177,21 @@ def test_native_backward_add_warpgroup_matches_fp32_reference(monkeypatch, heads
 
 
 # 0150-0152 (issue #21): the deterministic backward in its default form (0151/0152's per-key
-# fp32 form on the ws64 kernel at 16/32/64 heads, 0150's int64 fixed point in the head-block
-# kernel elsewhere) against the FP32 reference, and bitwise equal over repeated backwards of the
-# same inputs (the fp32 atomics of the default backward differ in their last bits from run to run).
+# fp32 form on the ws64 kernel at 16/32/64 heads and, since 0153, 8; 0150's int64 fixed point in
+# the head-block kernel elsewhere: 128 heads, and 8 without 0153) against the FP32 reference, and
+# bitwise equal over repeated backwards of the same inputs (the fp32 atomics of the default
+# backward differ in their last bits from run to run). 0153: the head block's int64 form at 8
+# heads too, with bwd_ws64_few_heads=False.
 @needs("0150")
 @pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128, pytest.param("8hb", marks=needs("0153"))])
 def test_native_deterministic_backward_is_bitwise_repeatable(monkeypatch, heads, topk):
-    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 11, 3,
-                                           bwd_deterministic=True)
+    opts = dict(bwd_deterministic=True)
+    if heads == "8hb":  # the head block at 8 heads (0153 routes them to the 64-row kernel)
+        heads, opts = 8, dict(opts, bwd_ws64_few_heads=False)
+    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 11, 3, **opts)
     q, k, do, idx = make(1024, heads, 512, topk, seed=heads + topk)
-    with override_native_kernel_options(bwd_deterministic=True):
+    with override_native_kernel_options(**opts):
         first = run_fused(q, k, idx, do)
         for _ in range(3):
             again = run_fused(q, k, idx, do)
@@ -249,11 +253,11 @@ _CHILD = ("import sys, ast; import test_sparse_mla_gpu as t; "
 
 # 0150-0152 (issue #21): the deterministic backward's out, dq and dk bitwise equal over three
 # calls in one process and in a fresh process (a new CUDA context, allocator and kernel load:
-# nothing of this process's state carries over), at 16/32/64 heads, in the route's default form
-# (0152's fine fp32 scales) and 0151's other two.
+# nothing of this process's state carries over), at 16/32/64 heads (0153: and 8, on the 64-row
+# kernel since), in the route's default form (0152's fine fp32 scales) and 0151's other two.
 @needs("0150")
 @WHOLE_GPU
-@pytest.mark.parametrize("heads", [16, 32, 64])
+@pytest.mark.parametrize("heads", [pytest.param(8, marks=needs("0153")), 16, 32, 64])
 @pytest.mark.parametrize("form", ["default", pytest.param("int64", marks=needs("0151")),
                                   pytest.param("int32x2", marks=needs("0151"))])
 def test_native_deterministic_backward_bitwise_across_processes(monkeypatch, form, heads):
@@ -525,8 +529,13 @@ def test_native_backward_16_heads_ws64_matches_fp32_reference(monkeypatch, topk,
 @pytest.mark.parametrize("heads", [1, 8, 12])
 @pytest.mark.parametrize("pairs", [False, True])
 def test_native_backward_few_heads_ws64_matches_fp32_reference(monkeypatch, heads, topk, pairs):
+    built = []
+    getter = bwd_mod._get_bwd_ws64_kernel
+    monkeypatch.setattr(bwd_mod, "_get_bwd_ws64_kernel",
+                        lambda *a, **k: built.append(a[0]) or getter(*a, **k))
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 43 + pairs, 9,
                                            bwd_ws64_few_heads=True, bwd_ws64_row_pairs=pairs)
+    assert built and set(built) == {heads}, f"the 64-row backward did not run: {built}"
 
 
 # wip/0137 (issue #17), in runs that apply it with WIP_PATCHES: the row pairs' dKV adds with an
@@ -705,7 +714,8 @@ def test_native_saved_output_matches_recompute(monkeypatch, heads):
     (NativeKernelOptions(save_output=False)): the same forward kernel, so the same output bit for bit,
     and the same backward kernel on the same out/lse (dkv's atomics may add in another order).
     Rows with no valid index stay exactly zero without SparseMLA's head masks. 8 heads (0107,
-    0123): the caller's heads kept (in the kernels' 16-row tiles since 0123): dq bit for bit too.
+    0123): the caller's heads kept (in the kernels' 16-row tiles since 0123; the backward's
+    64-row tiles since 0153): dq bit for bit too.
     Both calls run without 0121's timer phase (phase_off)."""
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     empty = (3, 254)
