@@ -14,6 +14,8 @@ dKV add at 128 threads, 0106); 0112-0114's 64-row kernels at 32 heads, run as 64
 with top-k 257: more than one block pair), with fewer queries.
 --option NAME=VALUE (repeatable): run every case with that NativeKernelOptions field (a Python
 literal), e.g. a draft's kernel that a WIP_PATCHES run applied.
+--queries N: every case with N queries instead (with a persistent forward, more than the SMs,
+so that its CTAs take more than one query: wip/0129's loop, wip/0143's counter).
 """
 import argparse
 import ast
@@ -48,6 +50,9 @@ failed = []
 ap = argparse.ArgumentParser()
 ap.add_argument("--quick", action="store_true")
 ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE")
+ap.add_argument("--queries", type=int, default=0,
+                help="every case with this many queries (e.g. more than the SMs, so that a "
+                     "persistent kernel's CTAs take more than one query each)")
 args = ap.parse_args()
 options = {name: ast.literal_eval(value) for name, _, value in (o.partition("=") for o in args.option)}
 if options:
@@ -61,6 +66,8 @@ if args.quick:
     # top-k 257 at 32/64 heads: three 64-key block pairs, so 0112's forward reuses its KV halves,
     # P and max buffers and runs both phases of its barriers
     CASES = ((64, 8, 257), (64, 16, 2051), (64, 32, 257), (64, 64, 257))
+if args.queries:
+    CASES = tuple((args.queries, heads, topk) for _, heads, topk in CASES)
 for sq, heads, topk in CASES:
     g = torch.Generator(device="cuda").manual_seed(sq)
     q = torch.randn(sq, 1, heads, 512, generator=g, device="cuda").to(torch.bfloat16)
