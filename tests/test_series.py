@@ -238,46 +238,48 @@ def test_the_tests_section_lists_exactly_the_tests_only_patches(tmp_path):
     assert [p for p in series_py.problems(copy) if tests_only[0] in p and "above" in p]
 
 
-def test_wip_stack_applies_on_the_series(pristine, tmp_path):
-    """The drafts wip/STACK lists (what the next GPU session applies with WIP_PATCHES, in that
-    order) apply on top of the series with its patch options (fuzz 0) and at no offset: a draft
-    that a series change broke fails here, on CPU, not in a GPU call."""
-    stack = [line.split("#")[0].strip() for line in (ROOT / "wip" / "STACK").read_text().splitlines()]
-    stack = [name for name in stack if name]
-    assert stack, "wip/STACK lists no draft"
-    tree = tmp_path / "t"
+def _wip_list(name):
+    """The drafts a wip/ list names (comments and blank lines left out)."""
+    drafts = [line.split("#")[0].strip() for line in (ROOT / "wip" / name).read_text().splitlines()]
+    drafts = [draft for draft in drafts if draft]
+    assert drafts, f"wip/{name} lists no draft"
+    return drafts
+
+
+def _series_tree(pristine, tree):
     shutil.copytree(pristine, tree, symlinks=True)
     proc = script("apply_patches.sh", tree)
     assert proc.returncode == 0, proc.stderr
-    for name in stack:
-        proc = subprocess.run(["patch", "-d", str(tree), *series_py.PATCH_ARGS, "-N", "-i",
-                               str(ROOT / "wip" / name)], capture_output=True, text=True)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"wip/{name} does not apply on the series: {out}"
-        assert "offset" not in out and "fuzz" not in out, f"wip/{name}: {out}"
-        # a DEP-3 header ended by a line of its own "---" before the first file's diff (the
-        # series' patches are held to it by series.py; a draft joins the series as it is)
-        head = (ROOT / "wip" / name).read_text().split("\n--- a/")[0].splitlines()
-        assert head[0].startswith("Description: ") and head[-1] == "---", f"wip/{name}: {head[-1]!r}"
+    return tree
+
+
+def _apply_draft(tree, name):
+    """wip/name on tree with the series' patch options (fuzz 0), at no offset, with a DEP-3
+    header ended by a line of its own "---" before the first file's diff (the series' patches
+    are held to it by series.py; a draft joins the series as it is)."""
+    proc = subprocess.run(["patch", "-d", str(tree), *series_py.PATCH_ARGS, "-N", "-i",
+                           str(ROOT / "wip" / name)], capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"wip/{name} does not apply on the series: {out}"
+    assert "offset" not in out and "fuzz" not in out, f"wip/{name}: {out}"
+    head = (ROOT / "wip" / name).read_text().split("\n--- a/")[0].splitlines()
+    assert head[0].startswith("Description: ") and head[-1] == "---", f"wip/{name}: {head[-1]!r}"
+
+
+def test_wip_stack_applies_on_the_series(pristine, tmp_path):
+    """The drafts wip/STACK lists (what the next GPU session applies with WIP_PATCHES, in that
+    order) apply on top of the series: a draft that a series change broke fails here, on CPU,
+    not in a GPU call."""
+    tree = _series_tree(pristine, tmp_path / "t")
+    for name in _wip_list("STACK"):
+        _apply_draft(tree, name)
 
 
 def test_wip_alone_drafts_apply_on_the_series(pristine, tmp_path):
     """The drafts wip/ALONE lists (each applied with WIP_PATCHES on its own, not in the stack:
-    they change what stacked drafts change) apply each alone on the series, fuzz 0, no offset."""
-    alone = [line.split("#")[0].strip() for line in (ROOT / "wip" / "ALONE").read_text().splitlines()]
-    alone = [name for name in alone if name]
-    assert alone, "wip/ALONE lists no draft"
-    series_tree = tmp_path / "series"
-    shutil.copytree(pristine, series_tree, symlinks=True)
-    proc = script("apply_patches.sh", series_tree)
-    assert proc.returncode == 0, proc.stderr
-    for name in alone:
+    they change what stacked drafts change) apply each alone on the series."""
+    series_tree = _series_tree(pristine, tmp_path / "series")
+    for name in _wip_list("ALONE"):
         tree = tmp_path / name
         shutil.copytree(series_tree, tree, symlinks=True)
-        proc = subprocess.run(["patch", "-d", str(tree), *series_py.PATCH_ARGS, "-N", "-i",
-                               str(ROOT / "wip" / name)], capture_output=True, text=True)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"wip/{name} does not apply on the series: {out}"
-        assert "offset" not in out and "fuzz" not in out, f"wip/{name}: {out}"
-        head = (ROOT / "wip" / name).read_text().split("\n--- a/")[0].splitlines()
-        assert head[0].startswith("Description: ") and head[-1] == "---", f"wip/{name}: {head[-1]!r}"
+        _apply_draft(tree, name)

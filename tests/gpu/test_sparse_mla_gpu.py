@@ -420,50 +420,30 @@ def forward_option_is_the_default_bitwise(heads, topk, seed, empty_row, **option
         assert torch.equal(got[1], want[1]), f"dq differs from the default's ({form})"
 
 
-# wip/0136 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward stores its
-# output 16 bytes a lane after a transpose within each row quad. The same bf16 rounding, so out
-# and dq equal the default's bit for bit: 32 heads (rows past 32 not stored: a lane's
-# second row is the predicate's), 64 heads, top-k 65 and 2051, rows with no valid index, a CTA
-# a query and persistent (wip/0129, where applied).
-@pytest.mark.skipif(not _has_option("fwd_ws64_wide_store"),
-                    reason="wip/0136 (NativeKernelOptions.fwd_ws64_wide_store) is not applied")
-@pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [32, 64])
-def test_native_fwd_ws64_wide_store_is_the_default_bitwise(monkeypatch, heads, topk):
-    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
-    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7,
-                                          fwd_ws64_wide_store=True)
+# The 64-row forward's drafts that change how it works but not what it computes, in runs that
+# apply them with WIP_PATCHES (issue #18): the same GEMMs in the same order and the same bf16
+# rounding, so out and dq equal the default's bit for bit (and match the FP32 reference): 32 heads
+# (rows past 32 not stored), 64 heads, top-k 65 (one block pair) and 2051 (17), rows with no valid
+# index, a CTA a query and persistent (wip/0129, where applied).
+# - wip/0136: the output stored 16 bytes a lane after a transpose within each row quad (a
+#   lane's second row is the predicate's at 32 heads);
+# - wip/0144: the consumers' GEMMs asynchronous (FlashMLA's waits; the next pair's scores under
+#   WG0's second P.V, the last pair's P.V waited alone);
+# - wip/0146: the output staged in the Q buffer and stored in whole rows.
+FWD_WS64_SAME_RESULT = [("fwd_ws64_wide_store", "wip/0136"), ("fwd_ws64_async_gemms", "wip/0144"),
+                        ("fwd_ws64_smem_store", "wip/0146")]
 
 
-# wip/0144 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward's consumers
-# issue their GEMMs asynchronously (FlashMLA's waits, the next pair's scores under WG0's second
-# P.V). The same GEMMs in the same order, so out and dq equal the default's bit for bit: top-k 65
-# (one pair: the last pair's wait alone), 2051 (17 pairs), rows with no valid index; and against
-# the FP32 reference.
-@pytest.mark.skipif(not _has_option("fwd_ws64_async_gemms"),
-                    reason="wip/0144 (NativeKernelOptions.fwd_ws64_async_gemms) is not applied")
+@pytest.mark.parametrize("field", [pytest.param(field, marks=pytest.mark.skipif(
+    not _has_option(field), reason=f"{draft} (NativeKernelOptions.{field}) is not applied"))
+    for field, draft in FWD_WS64_SAME_RESULT])
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
-def test_native_fwd_ws64_async_gemms_is_the_default_bitwise(monkeypatch, heads, topk):
+def test_native_fwd_ws64_draft_is_the_default_bitwise(monkeypatch, heads, topk, field):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 61, 13,
-                                           fwd_ws64_async_gemms=True, **phase_off())
-    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 5, 9,
-                                          fwd_ws64_async_gemms=True)
-
-
-# wip/0146 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward stages its
-# output in the Q buffer and stores it in whole rows. The same bf16 rounding, so out and dq
-# equal the default's bit for bit: 32 heads (32 rows stored), 64 heads, top-k 65 and 2051, rows
-# with no valid index.
-@pytest.mark.skipif(not _has_option("fwd_ws64_smem_store"),
-                    reason="wip/0146 (NativeKernelOptions.fwd_ws64_smem_store) is not applied")
-@pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [32, 64])
-def test_native_fwd_ws64_smem_store_is_the_default_bitwise(monkeypatch, heads, topk):
-    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
-    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 7, 11,
-                                          fwd_ws64_smem_store=True)
+                                           **{field: True}, **phase_off())
+    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **{field: True})
 
 
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
