@@ -598,8 +598,8 @@ def run(args):
                     options=dict(bwd_wg0_dkv_chunks=0), ref=native_results()))
             # A/B of patch 0134 (16 heads on 0113's 64-row backward) and of 0153 (fewer heads),
             # every length
-            head_block = ({16: "bwd_ws64_16_heads"}.get(heads) if heads >= 16 else
-                          "bwd_ws64_few_heads")
+            head_block = ("bwd_ws64_16_heads" if heads == 16 else
+                          "bwd_ws64_few_heads" if heads < 16 else None)
             if head_block and has_native_option(head_block) and wanted("native_head_block_bwd"):
                 add("native_head_block_bwd", 512, 2051, fwd_bwd(
                     hook_fn(heads, "native"), q512, k512, idx,

@@ -25,7 +25,9 @@ import time
 os.environ.setdefault("TILELANG_DEFAULT_TARGET", '{"kind": "cuda", "arch": "sm_90a"}')
 
 import tilelang  # noqa: E402
-from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from native_kernels import ptxas_sm90a  # noqa: E402  (tests/: the codegen tests' nvcc call)
 
 from megatron.core.transformer.experimental_attention_variant.ops import (  # noqa: E402
     tilelang_sparse_mla_bwd as bwd_mod,
@@ -76,20 +78,11 @@ if hasattr(fwd_mod, "sparse_mla_fwd_nope_ws"):  # 0070
 def ptxas(kernel, sass=False):
     """ptxas's registers, spills and smem of the kernel compiled for sm_90a, its output, and with
     sass=True the cubin's SASS (cuobjdump from the CUDA toolkit, or the one triton ships)."""
-    src = kernel.get_kernel_source()
     with tempfile.TemporaryDirectory() as tmp:
-        cu, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
-        with open(cu, "w") as f:
-            f.write(src)
-        cmd = ["nvcc", "--cubin", "-std=c++20", "-w", "-O3", "-gencode", "arch=compute_90a,code=sm_90a",
-               "-Xptxas", "-v", "-I" + TILELANG_TEMPLATE_PATH, "-I" + CUTLASS_INCLUDE_DIR,
-               "-o", cubin, cu]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(out.stdout + out.stderr)
+        cubin = os.path.join(tmp, "k.cubin")
+        text = ptxas_sm90a(kernel.get_kernel_source(), cubin)
         code = (subprocess.run([_cuobjdump(), "-sass", cubin], capture_output=True, text=True,
                                check=True).stdout if sass else None)
-    text = out.stdout + out.stderr
     regs = re.findall(r"Used (\d+) registers", text)
     spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     smem = re.findall(r"(\d+) bytes smem", text)

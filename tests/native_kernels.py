@@ -6,6 +6,8 @@ with that reason."""
 import inspect
 import os
 import shutil
+import subprocess
+import tempfile
 
 import pytest
 
@@ -44,6 +46,26 @@ def _nvcc():
 
 
 needs_nvcc = pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME/bin)")
+
+
+def ptxas_sm90a(src, cubin):
+    """TileLang's CUDA `src` compiled for sm_90a with nvcc into the file `cubin`; returns what nvcc
+    and ptxas say (-Xptxas -v: registers, spills, shared memory, and performance notes such as
+    C7514, which -w leaves in; nvcc's own warnings off). Raises RuntimeError with it when nvcc
+    fails. (Shared by the codegen tests and bench/ptxas_report.py.)"""
+    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = os.path.join(tmp, "k.cu")
+        with open(cu, "w") as f:
+            f.write(src)
+        cmd = [_nvcc() or "nvcc", "--cubin", "-std=c++20", "-w", "-O3",
+               "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+               "-I" + TILELANG_TEMPLATE_PATH, "-I" + CUTLASS_INCLUDE_DIR, "-o", cubin, cu]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if out.returncode:
+        raise RuntimeError(out.stdout + out.stderr)
+    return out.stdout + out.stderr
 
 
 def round_up(x, m):
@@ -106,6 +128,23 @@ FEATURES = {
              lambda: _has_option("bwd_deterministic_fine_scales")),
     "0153": ("NativeKernelOptions.bwd_ws64_few_heads", lambda: _has_option("bwd_ws64_few_heads")),
 }
+
+
+def bwd_ws64_route_kwargs(sms=132):
+    """The keyword arguments the native route gives 0113's builder by default, on a device of
+    `sms` SMs, with the series' patches in the tree."""
+    kwargs = {"dkv_stages": 2} if has("0114") else {}
+    if has("0115"):  # WG0's dKV chunks: two, one since 0141
+        kwargs.update(wg0_dkv_chunks=1 if has("0141") else 2)
+    if has("0120"):  # hoisted indices, evict_first loads
+        kwargs.update(hoist_indices=True, evict_first_loads=True)
+    if has("0142"):  # the query's phase, the SMs a phase turn
+        kwargs.update(block_phase_ns=0, block_phase_queries=sms)
+    elif has("0121"):  # the timer phase
+        kwargs.update(block_phase_ns=8000)
+    if has("0133"):  # the row-pair adds
+        kwargs.update(row_pairs=True)
+    return kwargs
 
 
 def listed(number):

@@ -14,7 +14,6 @@ Needs tilelang and nvcc; skipped with the reason otherwise.
 """
 import os
 import re
-import subprocess
 import tempfile
 import time
 
@@ -32,7 +31,7 @@ from native_kernels import (
     SM90_TARGET,
     TAIL,
     _has_option,
-    _nvcc,
+    bwd_ws64_route_kwargs,
     bwd_mod,
     fwd_mod,
     has,
@@ -40,6 +39,7 @@ from native_kernels import (
     needs,
     needs_nvcc,
     needs_tilelang,
+    ptxas_sm90a,
     round_up as _round_up,
 )
 
@@ -467,30 +467,23 @@ def _ws64_fwd_sm90a(sm90, heads, **draft):
 
 
 def _ptxas_report(src):
-    """What ptxas says (-v, warnings on) about TileLang's CUDA built for sm_90a with nvcc."""
-    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
-
+    """What ptxas says (-v) about TileLang's CUDA built for sm_90a with nvcc."""
     with tempfile.TemporaryDirectory() as tmp:
-        cu = os.path.join(tmp, "k.cu")
-        with open(cu, "w") as f:
-            f.write(src)
-        cmd = [_nvcc(), "--cubin", "-std=c++20", "-O3", "-gencode", "arch=compute_90a,code=sm_90a",
-               "-Xptxas", "-v", "-I" + TILELANG_TEMPLATE_PATH, "-I" + CUTLASS_INCLUDE_DIR,
-               "-o", os.path.join(tmp, "k.cubin"), cu]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    return out.stdout + out.stderr
+        return ptxas_sm90a(src, os.path.join(tmp, "k.cubin"))
 
 
-# The route's 64-row builds at 64 heads (0113's with the series' levers at their defaults).
+def _bwd_ws64_route_sm90a(sm90, heads):
+    """0113's backward at top-k 2051 as the route builds it (the series' levers at their
+    defaults), for sm_90a."""
+    return _sm90a(sm90, f"bwd_ws64 h{heads} route", bwd_mod.sparse_mla_bwd_ws64, heads, D_V,
+                  _round_up(2051, BWD_BLOCK), runtime_scale=True, **bwd_ws64_route_kwargs())
+
+
+# The route's 64-row builds at 64 heads, and the drafts'.
 _WS64_BUILDS = {
     "fwd_ws64": lambda sm90: _ws64_fwd_sm90a(sm90, 64),
-    "bwd_ws64": lambda sm90: _sm90a(
-        sm90, "bwd_ws64 h64 route", bwd_mod.sparse_mla_bwd_ws64, 64, D_V, _round_up(2051, BWD_BLOCK),
-        runtime_scale=True, **_bwd_ws64_route_levers()),
-    "bwd_ws64_h8": lambda sm90: _sm90a(
-        sm90, "bwd_ws64 h8 route", bwd_mod.sparse_mla_bwd_ws64, 8, D_V, _round_up(2051, BWD_BLOCK),
-        runtime_scale=True, **_bwd_ws64_route_levers()),
+    "bwd_ws64": lambda sm90: _bwd_ws64_route_sm90a(sm90, 64),
+    "bwd_ws64_h8": lambda sm90: _bwd_ws64_route_sm90a(sm90, 8),
     "fwd_ws64_async": lambda sm90: _ws64_fwd_sm90a(sm90, 64, async_gemms=True),
     "fwd_ws64_async_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, async_gemms=True),
     "fwd_ws64_smem_store": lambda sm90: _ws64_fwd_sm90a(sm90, 64, smem_store=True),
@@ -498,21 +491,6 @@ _WS64_BUILDS = {
 _WS64_DRAFTS = {"fwd_ws64_async": ("fwd_ws64_async_gemms", "wip/0144"),
                 "fwd_ws64_async_h32": ("fwd_ws64_async_gemms", "wip/0144"),
                 "fwd_ws64_smem_store": ("fwd_ws64_smem_store", "wip/0146")}
-
-
-def _bwd_ws64_route_levers():
-    levers = {}
-    if has("0114"):
-        levers["dkv_stages"] = 2
-    if has("0115"):
-        levers["wg0_dkv_chunks"] = 1 if has("0141") else 2
-    if has("0120"):
-        levers.update(hoist_indices=True, evict_first_loads=True)
-    if has("0142"):
-        levers["block_phase_queries"] = 132
-    if has("0133"):
-        levers["row_pairs"] = True
-    return levers
 
 
 @needs_tilelang

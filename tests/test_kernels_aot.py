@@ -19,7 +19,7 @@ import tarfile
 
 import pytest
 
-from native_kernels import has, needs, needs_nvcc, needs_tilelang
+from native_kernels import bwd_ws64_route_kwargs, has, needs, needs_nvcc, needs_tilelang
 from shell import ROOT, pin
 
 import megatron.core
@@ -153,18 +153,7 @@ def test_plan_is_the_glm_set(glm_plan):
                 assert c["args"][:3] == [kernel_heads, 512, 2176] and c["kwargs"]["runtime_scale"]
             elif c["kind"] == "bwd_ws64":
                 assert c["args"] == [built, 512, 2080]
-                want = {"dkv_stages": 2} if has("0114") else {}
-                if has("0115"):  # WG0's dKV chunks: two, one since 0141
-                    want = dict(want, wg0_dkv_chunks=1 if has("0141") else 2)
-                if has("0120"):  # hoisted indices, evict_first loads
-                    want = dict(want, hoist_indices=True, evict_first_loads=True)
-                if has("0142"):  # the query's phase, the --sms SMs a phase turn
-                    want = dict(want, block_phase_ns=0, block_phase_queries=132)
-                elif has("0121"):  # the timer phase
-                    want = dict(want, block_phase_ns=8000)
-                if has("0133"):  # the row-pair adds
-                    want = dict(want, row_pairs=True)
-                assert c["kwargs"] == want
+                assert c["kwargs"] == bwd_ws64_route_kwargs(sms=132)  # the plan's --sms
             elif c["kind"] == "fwd":
                 assert (a["heads"], a["dim"], a["topk"]) == (kernel_heads, 512, 2112)
                 assert a["tail_dim"] == (0 if route == "native" else 64)
