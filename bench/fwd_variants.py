@@ -19,8 +19,8 @@ GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _wide: the o
 16 bytes a lane, with wip/0136-fwd-ws64-wide-store.patch; ws64_l2*: L2 eviction
 and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch; ws64_probe_q32 /
 _o32: timing probes with wrong results, only 32 rows of Q loaded / of the output stored, with
-WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch; ws64_sstore: the output staged in the Q buffer
-and stored in whole rows, with WIP_PATCHES=wip/0146-fwd-ws64-smem-store.patch), flashmla. Writes
+WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch; ws64_frag: the output stored from the
+accumulator fragment, 4 bytes a thread, as before 0154 staged it in the Q buffer), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -77,8 +77,8 @@ VARIANTS = {
     # wip/0143 (NativeKernelOptions.fwd_ws64_dynamic): the persistent CTAs' queries from a counter
     "ws64_persist_dyn": (False, {}),
     "ws64_persist_fexp_smask_dyn": (False, {}),
-    # wip/0146 (NativeKernelOptions.fwd_ws64_smem_store): the output staged in the Q buffer
-    "ws64_sstore": (False, {}),
+    # 0154 off (NativeKernelOptions.fwd_ws64_smem_store=False): the output from the fragment
+    "ws64_frag": (False, {}),
     # wip/0145 (timing probes, wrong results): only 32 rows of Q loaded / of the output stored
     "ws64_probe_q32": (False, {}),
     "ws64_probe_o32": (False, {}),
@@ -115,10 +115,15 @@ WIP_OPTIONS = {
     "ws64_persist_fexp_smask_wide": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _WIDE_STORE),
     "ws64_persist_dyn": (_PERSIST, _DYNAMIC),
     "ws64_persist_fexp_smask_dyn": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC),
-    "ws64_sstore": (("fwd_ws64_smem_store", "wip/0146-fwd-ws64-smem-store.patch"),),
     # (field, draft, value): an option other than True
     "ws64_probe_q32": (("fwd_ws64_probe_q_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),
     "ws64_probe_o32": (("fwd_ws64_probe_o_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),
+}
+
+
+# the variants that set the series' own options away from their defaults: (field, patch, value)
+SERIES_OPTIONS = {
+    "ws64_frag": (("fwd_ws64_smem_store", "0154", False),),
 }
 
 
@@ -151,6 +156,10 @@ def call(fwd_mod, name, q, kv, idx):
             if "fwd_ws_mma" not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
                 raise RuntimeError(f"{name} needs wip/0080-ws-wgmma.patch (WIP_PATCHES=)")
             opts["fwd_ws_mma"] = "wgmma"
+    for field, patch, value in SERIES_OPTIONS.get(name, ()):
+        if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
+            raise RuntimeError(f"{name} needs patch {patch} (NativeKernelOptions.{field})")
+        opts[field] = value
     for field, draft, *value in WIP_OPTIONS.get(name, ()):
         if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
             raise RuntimeError(f"{name} needs {draft} (WIP_PATCHES=)")

@@ -127,6 +127,7 @@ FEATURES = {
     "0152": ("NativeKernelOptions.bwd_deterministic_fine_scales",
              lambda: _has_option("bwd_deterministic_fine_scales")),
     "0153": ("NativeKernelOptions.bwd_ws64_few_heads", lambda: _has_option("bwd_ws64_few_heads")),
+    "0154": ("NativeKernelOptions.fwd_ws64_smem_store", lambda: _has_option("fwd_ws64_smem_store")),
 }
 
 

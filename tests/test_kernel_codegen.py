@@ -486,11 +486,9 @@ _WS64_BUILDS = {
     "bwd_ws64_h8": lambda sm90: _bwd_ws64_route_sm90a(sm90, 8),
     "fwd_ws64_async": lambda sm90: _ws64_fwd_sm90a(sm90, 64, async_gemms=True),
     "fwd_ws64_async_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, async_gemms=True),
-    "fwd_ws64_smem_store": lambda sm90: _ws64_fwd_sm90a(sm90, 64, smem_store=True),
 }
 _WS64_DRAFTS = {"fwd_ws64_async": ("fwd_ws64_async_gemms", "wip/0144"),
-                "fwd_ws64_async_h32": ("fwd_ws64_async_gemms", "wip/0144"),
-                "fwd_ws64_smem_store": ("fwd_ws64_smem_store", "wip/0146")}
+                "fwd_ws64_async_h32": ("fwd_ws64_async_gemms", "wip/0144")}
 
 
 @needs_tilelang
@@ -506,8 +504,8 @@ def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     instruction touches the accumulator of one still in flight, for instance one left in flight
     across a loop's back edge: each HGMMA then gets its own arrive and wait (wip/0117 lost
     20-26% of the forward that way in run 19). The 64-row kernels the route builds at 64 heads
-    (0153: the backward at 8 heads too; wip/0144's forward at 64 and 32 heads, wip/0146's at 64,
-    where applied) compile without it and without spills."""
+    (0154's output store included; 0153: the backward at 8 heads too; wip/0144's forward at 64
+    and 32 heads, where applied) compile without it and without spills."""
     src, _, _ = _WS64_BUILDS[kind](sm90)
     report = _ptxas_report(src)
     assert "C7514" not in report and "serialized" not in report, report[-2000:]
@@ -517,17 +515,17 @@ def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("fwd_ws64_smem_store"),
-                    reason="wip/0146 (NativeKernelOptions.fwd_ws64_smem_store) is not applied")
+@needs("0154")
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_smem_store(sm90, heads):
-    """wip/0146: each consumer writes its output half into its half of the Q buffer with
-    stmatrix after an async-proxy fence, syncs its own warpgroup only (a CTA-wide barrier in
-    one warpgroup's branch would hang) and stores whole rows 16 bytes a thread; no 4-byte output
-    stores are left; the shared memory is the default build's."""
-    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, smem_store=True)
-    _, plain_smem, _ = _ws64_fwd_sm90a(sm90, heads)
-    assert smem == plain_smem
+    """0154: each consumer writes its output half into its half of the Q buffer with stmatrix
+    after an async-proxy fence, syncs its own warpgroup only (a CTA-wide barrier in one
+    warpgroup's branch would hang) and stores whole rows 16 bytes a thread; no 4-byte output
+    stores are left. With smem_store=False the output goes out 4 bytes a thread from the
+    fragment, as before 0154; the shared memory is the same."""
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads)
+    frag_src, frag_smem, _ = _ws64_fwd_sm90a(sm90, heads, smem_store=False)
+    assert smem == frag_smem
     wg0, wg1, _ = _split_ws64_fwd(src)
     for wg, half, bar in ((wg0, "Q_l", "3"), (wg1, "Q_r", "4")):
         tail = wg[wg.rindex("fence_proxy_async"):]
@@ -535,6 +533,7 @@ def test_fwd_native_ws64_smem_store(sm90, heads):
         assert "__syncthreads" not in tail and f"__sync_thread_partial({bar}, 128)" in tail
         assert re.search(r"\*\(uint4\*\)\(Output \+", tail), tail[-600:]
     assert not re.search(r"\*\(uint1\*\)\(Output \+", src)
+    assert re.search(r"\*\(uint1\*\)\(Output \+", frag_src)
 
 
 @needs_tilelang

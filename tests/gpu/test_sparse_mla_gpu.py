@@ -420,30 +420,36 @@ def forward_option_is_the_default_bitwise(heads, topk, seed, empty_row, **option
         assert torch.equal(got[1], want[1]), f"dq differs from the default's ({form})"
 
 
-# The 64-row forward's drafts that change how it works but not what it computes, in runs that
-# apply them with WIP_PATCHES (issue #18): the same GEMMs in the same order and the same bf16
-# rounding, so out and dq equal the default's bit for bit (and match the FP32 reference): 32 heads
-# (rows past 32 not stored), 64 heads, top-k 65 (one block pair) and 2051 (17), rows with no valid
-# index, a CTA a query and persistent (wip/0129, where applied).
+# The 64-row forward's options that change how it works but not what it computes (issue #18):
+# the same GEMMs in the same order and the same bf16 rounding, so out and dq equal the default's
+# bit for bit (and match the FP32 reference): 32 heads (rows past 32 not stored), 64 heads, top-k
+# 65 (one block pair) and 2051 (17), rows with no valid index, a CTA a query and persistent
+# (wip/0129, where applied). (field, value, patch):
+# - 0154 off: the output stored from the accumulator fragment, 4 bytes a thread, instead of
+#   staged in the Q buffer and stored in whole rows;
 # - wip/0136: the output stored 16 bytes a lane after a transpose within each row quad (a
-#   lane's second row is the predicate's at 32 heads);
-# - wip/0144: the consumers' GEMMs asynchronous (FlashMLA's waits; the next pair's scores under
-#   WG0's second P.V, the last pair's P.V waited alone);
-# - wip/0146: the output staged in the Q buffer and stored in whole rows.
-FWD_WS64_SAME_RESULT = [("fwd_ws64_wide_store", "wip/0136"), ("fwd_ws64_async_gemms", "wip/0144"),
-                        ("fwd_ws64_smem_store", "wip/0146")]
+#   lane's second row is the predicate's at 32 heads), with 0154 off (it replaces that path);
+# - wip/0144 (in runs that apply it with WIP_PATCHES): the consumers' GEMMs asynchronous
+#   (FlashMLA's waits; the next pair's scores under WG0's second P.V, the last pair's P.V waited
+#   alone).
+FWD_WS64_SAME_RESULT = [("fwd_ws64_smem_store", False, "0154"),
+                        ("fwd_ws64_wide_store", True, "wip/0136"),
+                        ("fwd_ws64_async_gemms", True, "wip/0144")]
 
 
-@pytest.mark.parametrize("field", [pytest.param(field, marks=pytest.mark.skipif(
-    not _has_option(field), reason=f"{draft} (NativeKernelOptions.{field}) is not applied"))
-    for field, draft in FWD_WS64_SAME_RESULT])
+@pytest.mark.parametrize("field,value", [pytest.param(field, value, marks=pytest.mark.skipif(
+    not _has_option(field), reason=f"{patch} (NativeKernelOptions.{field}) is not applied"),
+    id=f"{field}={value}") for field, value, patch in FWD_WS64_SAME_RESULT])
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
-def test_native_fwd_ws64_draft_is_the_default_bitwise(monkeypatch, heads, topk, field):
+def test_native_fwd_ws64_option_keeps_the_default_bitwise(monkeypatch, heads, topk, field, value):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    option = {field: value}
+    if field == "fwd_ws64_wide_store" and _has_option("fwd_ws64_smem_store"):
+        option["fwd_ws64_smem_store"] = False
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 61, 13,
-                                           **{field: True}, **phase_off())
-    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **{field: True})
+                                           **option, **phase_off())
+    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **option)
 
 
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
