@@ -15,8 +15,7 @@ ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_asy
 waits, with WIP_PATCHES=wip/0144-fwd-ws64-async-gemms-pipelined.patch; ws64_persist: one CTA an SM
 walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp: exp2 as one
 ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; _smask: -1 entries masked after the score
-GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _wide: the output stored
-16 bytes a lane, with wip/0136-fwd-ws64-wide-store.patch; ws64_l2*: L2 eviction
+GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; ws64_l2*: L2 eviction
 and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch; ws64_probe_q32 /
 _o32: timing probes with wrong results, only 32 rows of Q loaded / of the output stored, with
 WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch; ws64_frag: the output stored from the
@@ -71,9 +70,6 @@ VARIANTS = {
     # two of the three (which of them the combination needs)
     "ws64_fexp_smask": (False, {}),
     "ws64_persist_smask": (False, {}),
-    # wip/0136 (NativeKernelOptions.fwd_ws64_wide_store): the output 16 bytes a lane
-    "ws64_wide": (False, {}),
-    "ws64_persist_fexp_smask_wide": (False, {}),
     # wip/0143 (NativeKernelOptions.fwd_ws64_dynamic): the persistent CTAs' queries from a counter
     "ws64_persist_dyn": (False, {}),
     "ws64_persist_fexp_smask_dyn": (False, {}),
@@ -99,7 +95,6 @@ THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads on
 _PERSIST = ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch")
 _FAST_EXP2 = ("fast_exp2", "wip/0130-native-fast-exp2.patch")
 _SHARED_MASK = ("fwd_ws64_shared_mask", "wip/0131-fwd-ws64-shared-mask.patch")
-_WIDE_STORE = ("fwd_ws64_wide_store", "wip/0136-fwd-ws64-wide-store.patch")
 _DYNAMIC = ("fwd_ws64_dynamic", "wip/0143-fwd-ws64-dynamic-queries.patch")
 WIP_OPTIONS = {
     "ws64_async": (("fwd_ws64_async_gemms", "wip/0144-fwd-ws64-async-gemms-pipelined.patch"),),
@@ -111,8 +106,6 @@ WIP_OPTIONS = {
     "ws64_persist_fexp_smask": (_PERSIST, _FAST_EXP2, _SHARED_MASK),
     "ws64_fexp_smask": (_FAST_EXP2, _SHARED_MASK),
     "ws64_persist_smask": (_PERSIST, _SHARED_MASK),
-    "ws64_wide": (_WIDE_STORE,),
-    "ws64_persist_fexp_smask_wide": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _WIDE_STORE),
     "ws64_persist_dyn": (_PERSIST, _DYNAMIC),
     "ws64_persist_fexp_smask_dyn": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC),
     # (field, draft, value): an option other than True

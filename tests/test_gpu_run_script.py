@@ -264,6 +264,23 @@ def test_the_whole_gpu_tests_run_in_a_pass_of_their_own(tmp_path):
     assert "gpu-tests: 1 passed" in proc.stdout and "gpu-tests-whole-gpu: 1 passed" in proc.stdout
 
 
+@pytest.mark.parametrize("passes,marks", [("first", ["[not whole_gpu]"]), ("whole", ["[whole_gpu]"]),
+                                          ("both", ["[not whole_gpu]", "[whole_gpu]"])])
+def test_gpu_test_passes_runs_only_the_pass_asked(tmp_path, passes, marks):
+    """GPU_TEST_PASSES=first / whole runs that pass alone (a call too short for both)."""
+    log = tmp_path / "args"
+    proc = run(tmp_path, "tests", TESTS_LOG=str(log), GPU_TEST_PASSES=passes)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = log.read_text().splitlines()
+    assert len(lines) == len(marks) and all(m in line for m, line in zip(marks, lines)), lines
+
+
+def test_gpu_test_passes_rejects_other_values_before_installing(tmp_path):
+    proc = run(tmp_path, "tests", GPU_TEST_PASSES="second")
+    assert proc.returncode != 0 and "GPU_TEST_PASSES=second" in proc.stderr
+    assert not (tmp_path / "site").exists() and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("status,ok", [(0, True), (1, False), (5, False)])
 def test_without_xdist_one_pass_runs_every_gpu_test(tmp_path, status, ok):
     log = tmp_path / "args"

@@ -147,15 +147,15 @@ class KernelFakes:
                                ctas=ctas, **drafts)
         return kernel
 
-    def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False, ctas=0,
-                     **drafts):
-        # ctas: wip/0129's persistent form (the series' wrapper does not pass it); drafts:
-        # wip/0130's fast_exp2, wip/0131's shared_mask, wip/0136's wide_store and wip/0143's
-        # dynamic (passed only when on)
-        assert set(drafts) <= {"fast_exp2", "shared_mask", "wide_store", "dynamic"}, drafts
+    def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False,
+                     smem_store=True, ctas=0, **drafts):
+        # smem_store: 0154's output store through the Q buffer (the same result); ctas: wip/0129's
+        # persistent form (the series' wrapper does not pass it); drafts: wip/0130's fast_exp2,
+        # wip/0131's shared_mask and wip/0143's dynamic (passed only when on)
+        assert set(drafts) <= {"fast_exp2", "shared_mask", "dynamic"}, drafts
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
-        self.builds[-1].update(kind="fwd_ws64", ctas=ctas, **drafts)
+        self.builds[-1].update(kind="fwd_ws64", smem_store=smem_store, ctas=ctas, **drafts)
         if not drafts.get("dynamic"):
             return kernel
         assert ctas and runtime_scale, "wip/0143: dynamic only with ctas and the runtime scale"
@@ -773,12 +773,12 @@ def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
-# wip drafts' options for 0112's forward and 0113's backward: (NativeKernelOptions field, the
-# option turning the kernel on (the fixture turns it off), the build's kind, builder argument,
-# draft)
+# 0154's and wip drafts' options for 0112's forward and 0113's backward: (NativeKernelOptions
+# field, the option turning the kernel on (the fixture turns it off), the build's kind, builder
+# argument, patch)
 _DRAFT_SWITCHES = [
+    ("fwd_ws64_smem_store", "fwd_ws64", "fwd_ws64", "smem_store", "0154"),
     ("fwd_ws64_shared_mask", "fwd_ws64", "fwd_ws64", "shared_mask", "wip/0131"),
-    ("fwd_ws64_wide_store", "fwd_ws64", "fwd_ws64", "wide_store", "wip/0136"),
     ("bwd_ws64_async_dq", "bwd_ws64", "bwd_ws64", "async_dq", "wip/0132"),
 ]
 
@@ -791,10 +791,10 @@ _DRAFT_SWITCHES = [
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("on", [False, True])
 def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, arg):
-    """wip/0131 (fwd_ws64_shared_mask), wip/0132 (bwd_ws64_async_dq) and wip/0136
-    (fwd_ws64_wide_store): the option reaches 0112's / 0113's builder as its argument (off, the
-    default: the series' call, without it), the only build of its direction. The gradients
-    through the hook are the reference's."""
+    """0154 (fwd_ws64_smem_store, on by default), wip/0131 (fwd_ws64_shared_mask) and wip/0132
+    (bwd_ws64_async_dq): the option reaches 0112's / 0113's builder as its argument (a draft's
+    off, its default: the series' call, without it), the only build of its direction. The
+    gradients through the hook are the reference's."""
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     with options(**{kernel_on: True, field: on}):

@@ -427,13 +427,10 @@ def forward_option_is_the_default_bitwise(heads, topk, seed, empty_row, **option
 # (wip/0129, where applied). (field, value, patch):
 # - 0154 off: the output stored from the accumulator fragment, 4 bytes a thread, instead of
 #   staged in the Q buffer and stored in whole rows;
-# - wip/0136: the output stored 16 bytes a lane after a transpose within each row quad (a
-#   lane's second row is the predicate's at 32 heads), with 0154 off (it replaces that path);
 # - wip/0144 (in runs that apply it with WIP_PATCHES): the consumers' GEMMs asynchronous
 #   (FlashMLA's waits; the next pair's scores under WG0's second P.V, the last pair's P.V waited
 #   alone).
 FWD_WS64_SAME_RESULT = [("fwd_ws64_smem_store", False, "0154"),
-                        ("fwd_ws64_wide_store", True, "wip/0136"),
                         ("fwd_ws64_async_gemms", True, "wip/0144")]
 
 
@@ -445,8 +442,6 @@ FWD_WS64_SAME_RESULT = [("fwd_ws64_smem_store", False, "0154"),
 def test_native_fwd_ws64_option_keeps_the_default_bitwise(monkeypatch, heads, topk, field, value):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     option = {field: value}
-    if field == "fwd_ws64_wide_store" and _has_option("fwd_ws64_smem_store"):
-        option["fwd_ws64_smem_store"] = False
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 61, 13,
                                            **option, **phase_off())
     forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **option)
