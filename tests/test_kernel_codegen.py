@@ -600,15 +600,18 @@ def test_fwd_native_ws64_dynamic_compiles_for_sm90a(sm90, heads):
 @needs_nvcc
 @pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
                     reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
+@pytest.mark.parametrize("smem_store", [True, False])
 @pytest.mark.parametrize("heads", [32, 64])
-def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads):
+def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads, smem_store):
     """wip/0129: with ctas, ctas CTAs each loop over their queries in all three warpgroups. Each
-    consumer arrives once a query on the 256-arrival Q handover, in its last block pair, after
-    the score GEMMs (waited); the producer waits on it before loading the next Q and adds no
-    CTA-wide sync; the warpgroups keep their own named barriers, the same shared memory as a
-    CTA a query, and the barriers' phases count pairs over the queries."""
-    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, ctas=132)
-    one, one_smem, _ = _ws64_fwd_sm90a(sm90, heads)
+    consumer arrives once a query on the 256-arrival Q handover: with 0154's store (the output
+    staged in the Q buffer) after its last read of the output back from it, without it in its
+    last block pair, after the score GEMMs (waited). The producer waits on it before loading the
+    next Q and adds no CTA-wide sync; the warpgroups keep their own named barriers, the same
+    shared memory as a CTA a query, and the barriers' phases count pairs over the queries."""
+    store = {} if smem_store else {"smem_store": False}
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, ctas=132, **store)
+    one, one_smem, _ = _ws64_fwd_sm90a(sm90, heads, **store)
     assert "bar_q_free[0].init(256);" in src
     _check_setmaxnreg_budget(src)
     wg0, wg1, producer = _split_ws64_fwd(src)
@@ -616,9 +619,14 @@ def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads):
         assert re.search(r"for \(int q_it\w* = 0; q_it\w* < .*/ 132\)", wg)
     last = r"if \(p_i\w* == 16\) \{\s*bar_q_free\[0\]\.arrive\(\);"
     for wg in (wg0, wg1):
-        assert len(re.findall(last, wg)) == 1 and wg.count("bar_q_free") == 1
+        assert wg.count("bar_q_free") == 1
         arrive = wg.index("bar_q_free[0].arrive()")
-        assert wg.rindex("warpgroup_wait<0>()", 0, arrive) > wg.rindex("Q_", 0, arrive)
+        if smem_store:
+            stores = [m.start() for m in re.finditer(r"\*\(uint4\*\)\(Output \+", wg)]
+            assert stores and stores[-1] < arrive and not re.findall(last, wg)
+        else:
+            assert len(re.findall(last, wg)) == 1
+            assert wg.rindex("warpgroup_wait<0>()", 0, arrive) > wg.rindex("Q_", 0, arrive)
     assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", wg0)) == {"3"}
     assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", wg1)) == {"4"}
     assert "__sync_thread_partial" not in producer and "__syncthreads" not in producer
