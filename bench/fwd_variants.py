@@ -15,7 +15,9 @@ ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_asy
 waits, with WIP_PATCHES=wip/0144-fwd-ws64-async-gemms-pipelined.patch; ws64_persist: one CTA an SM
 walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp: exp2 as one
 ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; _smask: -1 entries masked after the score
-GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; ws64_l2*: L2 eviction
+GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _ostage: the persistent
+form's output staged in buffers of its own, with wip/0155-fwd-ws64-persistent-stage-out.patch;
+ws64_l2*: L2 eviction
 and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch; ws64_probe_q32 /
 _o32: timing probes with wrong results, only 32 rows of Q loaded / of the output stored, with
 WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch; ws64_frag: the output stored from the
@@ -73,6 +75,9 @@ VARIANTS = {
     # wip/0143 (NativeKernelOptions.fwd_ws64_dynamic): the persistent CTAs' queries from a counter
     "ws64_persist_dyn": (False, {}),
     "ws64_persist_fexp_smask_dyn": (False, {}),
+    # wip/0155 (NativeKernelOptions.fwd_ws64_stage_out): the persistent form's output staged in
+    # buffers of its own, so that the next Q need not wait for 0154's store
+    "ws64_persist_fexp_smask_dyn_ostage": (False, {}),
     # 0154 off (NativeKernelOptions.fwd_ws64_smem_store=False): the output from the fragment
     "ws64_frag": (False, {}),
     # wip/0145 (timing probes, wrong results): only 32 rows of Q loaded / of the output stored
@@ -96,6 +101,7 @@ _PERSIST = ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch")
 _FAST_EXP2 = ("fast_exp2", "wip/0130-native-fast-exp2.patch")
 _SHARED_MASK = ("fwd_ws64_shared_mask", "wip/0131-fwd-ws64-shared-mask.patch")
 _DYNAMIC = ("fwd_ws64_dynamic", "wip/0143-fwd-ws64-dynamic-queries.patch")
+_STAGE_OUT = ("fwd_ws64_stage_out", "wip/0155-fwd-ws64-persistent-stage-out.patch")
 WIP_OPTIONS = {
     "ws64_async": (("fwd_ws64_async_gemms", "wip/0144-fwd-ws64-async-gemms-pipelined.patch"),),
     "ws64_persist": (_PERSIST,),
@@ -108,6 +114,8 @@ WIP_OPTIONS = {
     "ws64_persist_smask": (_PERSIST, _SHARED_MASK),
     "ws64_persist_dyn": (_PERSIST, _DYNAMIC),
     "ws64_persist_fexp_smask_dyn": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC),
+    "ws64_persist_fexp_smask_dyn_ostage": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC,
+                                           _STAGE_OUT),
     # (field, draft, value): an option other than True
     "ws64_probe_q32": (("fwd_ws64_probe_q_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),
     "ws64_probe_o32": (("fwd_ws64_probe_o_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),

@@ -638,6 +638,35 @@ def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads, smem_store):
 
 @needs_tilelang
 @needs_nvcc
+@pytest.mark.skipif(not _has_option("fwd_ws64_stage_out"),
+                    reason="wip/0155 (NativeKernelOptions.fwd_ws64_stage_out) is not applied")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_fwd_native_ws64_stage_out_compiles_for_sm90a(sm90, heads):
+    """wip/0155: the persistent form with 0154's store stages each consumer's output in a buffer
+    of its own, 64 columns at a time (four chunks, a warpgroup sync before each chunk's writes
+    and before its reads), never in the Q buffer, so Q is handed over in the last block pair
+    again; 16-byte stores; the whole fits the SM's 227 KiB; no spills, no serialized wgmma."""
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, ctas=132, stage_out=True)
+    _, q_smem, _ = _ws64_fwd_sm90a(sm90, heads, ctas=132)
+    assert _only_smem(smem) == _only_smem(q_smem) + 2 * 64 * 64 * 2
+    assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
+    last = r"if \(p_i\w* == 16\) \{\s*bar_q_free\[0\]\.arrive\(\);"
+    wg0, wg1, _ = _split_ws64_fwd(src)
+    for wg, bar in ((wg0, "3"), (wg1, "4")):
+        assert len(re.findall(last, wg)) == 1 and wg.count("bar_q_free") == 1
+        tail = wg[wg.rindex("for (int c"):]
+        syncs = re.findall(rf"__sync_thread_partial\({bar}, 128\)", tail)
+        assert len(syncs) == 2 and "__syncthreads" not in tail, tail[:600]
+        assert re.search(r"\*\(uint4\*\)\(Output \+", tail) and "Q_" not in tail
+    assert not re.search(r"\*\(uint1\*\)\(Output \+", src)
+    report = _ptxas_report(src)
+    assert "C7514" not in report, report[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(st == ld == "0" for st, ld in spills), spills
+
+
+@needs_tilelang
+@needs_nvcc
 @needs("0113")
 @pytest.mark.parametrize("heads", [pytest.param(8, marks=needs("0153")),
                                    pytest.param(16, marks=needs("0134")), 32, 64])

@@ -151,8 +151,8 @@ class KernelFakes:
                      smem_store=True, ctas=0, **drafts):
         # smem_store: 0154's output store through the Q buffer (the same result); ctas: wip/0129's
         # persistent form (the series' wrapper does not pass it); drafts: wip/0130's fast_exp2,
-        # wip/0131's shared_mask and wip/0143's dynamic (passed only when on)
-        assert set(drafts) <= {"fast_exp2", "shared_mask", "dynamic"}, drafts
+        # wip/0131's shared_mask, wip/0143's dynamic and wip/0155's stage_out (passed only when on)
+        assert set(drafts) <= {"fast_exp2", "shared_mask", "dynamic", "stage_out"}, drafts
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
         self.builds[-1].update(kind="fwd_ws64", smem_store=smem_store, ctas=ctas, **drafts)

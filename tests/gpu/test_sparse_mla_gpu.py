@@ -429,9 +429,12 @@ def forward_option_is_the_default_bitwise(heads, topk, seed, empty_row, **option
 #   staged in the Q buffer and stored in whole rows;
 # - wip/0144 (in runs that apply it with WIP_PATCHES): the consumers' GEMMs asynchronous
 #   (FlashMLA's waits; the next pair's scores under WG0's second P.V, the last pair's P.V waited
-#   alone).
+#   alone);
+# - wip/0155 (with wip/STACK): the persistent form's output staged in buffers of its own, 64
+#   columns at a time (it acts only when persistent: against the FP32 reference persistent).
 FWD_WS64_SAME_RESULT = [("fwd_ws64_smem_store", False, "0154"),
-                        ("fwd_ws64_async_gemms", True, "wip/0144")]
+                        ("fwd_ws64_async_gemms", True, "wip/0144"),
+                        ("fwd_ws64_stage_out", True, "wip/0155")]
 
 
 @pytest.mark.parametrize("field,value", [pytest.param(field, value, marks=pytest.mark.skipif(
@@ -442,8 +445,9 @@ FWD_WS64_SAME_RESULT = [("fwd_ws64_smem_store", False, "0154"),
 def test_native_fwd_ws64_option_keeps_the_default_bitwise(monkeypatch, heads, topk, field, value):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     option = {field: value}
+    persistent = {"fwd_ws64_persistent": True} if field == "fwd_ws64_stage_out" else {}
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 61, 13,
-                                           **option, **phase_off())
+                                           **option, **persistent, **phase_off())
     forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **option)
 
 
