@@ -162,3 +162,10 @@ def needs(number):
     what = FEATURES[number][0]
     return pytest.mark.skipif(
         not has(number), reason=f"patch {number} ({what}) is not in patches/series or the tree")
+
+
+def needs_draft(draft, field):
+    """Skip unless the wip draft `draft` (its NativeKernelOptions.`field`) is applied to the tree
+    (WIP_PATCHES on a GPU, a stacked tree on CPU)."""
+    return pytest.mark.skipif(
+        not _has_option(field), reason=f"{draft} (NativeKernelOptions.{field}) is not applied")

@@ -30,13 +30,13 @@ from native_kernels import (
     SM90_SMEM_PER_SM,
     SM90_TARGET,
     TAIL,
-    _has_option,
     bwd_ws64_route_kwargs,
     bwd_mod,
     fwd_mod,
     has,
     listed,
     needs,
+    needs_draft,
     needs_nvcc,
     needs_tilelang,
     ptxas_sm90a,
@@ -496,8 +496,7 @@ _WS64_DRAFTS = {"fwd_ws64_async": ("fwd_ws64_async_gemms", "wip/0144"),
 @needs("0113")
 @pytest.mark.parametrize("kind", ["fwd_ws64", "bwd_ws64", pytest.param(
     "bwd_ws64_h8", marks=needs("0153"))] + [pytest.param(
-    kind, marks=pytest.mark.skipif(
-        not _has_option(field), reason=f"{draft} (NativeKernelOptions.{field}) is not applied"))
+    kind, marks=needs_draft(draft, field))
     for kind, (field, draft) in _WS64_DRAFTS.items()])
 def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     """ptxas serializes every wgmma of a kernel (its warning C7514) when a non-wgmma
@@ -566,8 +565,7 @@ def test_fwd_native_ws64_compiles_for_sm90a(sm90, heads):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("fwd_ws64_dynamic"),
-                    reason="wip/0143 (NativeKernelOptions.fwd_ws64_dynamic) is not applied")
+@needs_draft("wip/0143", "fwd_ws64_dynamic")
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_dynamic_compiles_for_sm90a(sm90, heads):
     """wip/0143: the persistent forward's CTAs take their queries after the first from a counter.
@@ -598,8 +596,7 @@ def test_fwd_native_ws64_dynamic_compiles_for_sm90a(sm90, heads):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
-                    reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
+@needs_draft("wip/0129", "fwd_ws64_persistent")
 @pytest.mark.parametrize("smem_store", [True, False])
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads, smem_store):
@@ -638,8 +635,7 @@ def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads, smem_store):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("fwd_ws64_stage_out"),
-                    reason="wip/0155 (NativeKernelOptions.fwd_ws64_stage_out) is not applied")
+@needs_draft("wip/0155", "fwd_ws64_stage_out")
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_stage_out_compiles_for_sm90a(sm90, heads):
     """wip/0155: the persistent form with 0154's store stages each consumer's output in a buffer
@@ -908,8 +904,7 @@ def test_bwd_native_ws64_row_pairs_lane_layout(sm90):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last_mib"),
-                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last_mib) is not applied")
+@needs_draft("wip/0137", "bwd_dkv_evict_last_mib")
 def test_bwd_native_ws64_dkv_evict_last_changes_only_the_add(sm90):
     """wip/0137: with dkv_evict_last_mib the row pairs' 4-float add carries an L2 cache policy
     (createpolicy.range: evict_last for the first m MiB from the batch's accumulator row 0,
@@ -955,8 +950,7 @@ def test_bwd_native_ws64_query_phase_replaces_the_timer(sm90):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
-                    reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
+@needs_draft("wip/0131", "fwd_ws64_shared_mask")
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_shared_mask_compiles_for_sm90a(sm90, heads):
     """wip/0131: with shared_mask the consumers read no index from global memory; each clears
@@ -981,8 +975,7 @@ def test_fwd_native_ws64_shared_mask_compiles_for_sm90a(sm90, heads):
 
 @needs_tilelang
 @needs_nvcc
-@pytest.mark.skipif(not _has_option("fast_exp2"),
-                    reason="wip/0130 (NativeKernelOptions.fast_exp2) is not applied")
+@needs_draft("wip/0130", "fast_exp2")
 @pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws64", "bwd_ws64"])
 def test_native_fast_exp2_compiles_for_sm90a(sm90, kernel):
     """wip/0130: with fast_exp2 every exponential of the kernel is the prelude's ex2.approx.ftz

@@ -23,6 +23,7 @@ from native_kernels import (
     fwd_mod,
     has,
     needs,
+    needs_draft,
     needs_tilelang,
     round_up as _round_up,
     sparse_mla,
@@ -716,13 +717,10 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
 
 
 @needs_tilelang
-@pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
-                    reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
+@needs_draft("wip/0129", "fwd_ws64_persistent")
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("persist", [False, True, 2])
-@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not _has_option("fwd_ws64_dynamic"),
-    reason="wip/0143 (NativeKernelOptions.fwd_ws64_dynamic) is not applied"))])
+@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=needs_draft("wip/0143", "fwd_ws64_dynamic"))])
 def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist, dynamic):
     """wip/0129: NativeKernelOptions.fwd_ws64_persistent builds 0112's forward with one CTA an SM
     of the query's device (2: two, two waves); off (the default), a CTA a query, without asking
@@ -746,8 +744,7 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist, d
 
 
 @needs_tilelang
-@pytest.mark.skipif(not _has_option("fast_exp2"),
-                    reason="wip/0130 (NativeKernelOptions.fast_exp2) is not applied")
+@needs_draft("wip/0130", "fast_exp2")
 @pytest.mark.parametrize("heads", [16, 32, 64])
 @pytest.mark.parametrize("fast", [False, True])
 def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
@@ -785,8 +782,7 @@ _DRAFT_SWITCHES = [
 
 @needs_tilelang
 @pytest.mark.parametrize("field,kernel_on,kind,arg", [
-    pytest.param(field, kernel_on, kind, arg, id=field, marks=pytest.mark.skipif(
-        not _has_option(field), reason=f"{draft} (NativeKernelOptions.{field}) is not applied"))
+    pytest.param(field, kernel_on, kind, arg, id=field, marks=needs_draft(draft, field))
     for field, kernel_on, kind, arg, draft in _DRAFT_SWITCHES])
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("on", [False, True])
@@ -844,8 +840,7 @@ def test_native_64_row_backward_query_phase(fakes, heads, queries, ns, want):
 
 
 @needs_tilelang
-@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last_mib"),
-                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last_mib) is not applied")
+@needs_draft("wip/0137", "bwd_dkv_evict_last_mib")
 @pytest.mark.parametrize("heads", [16, 32, 64])
 @pytest.mark.parametrize("mib,pairs,want", [(0, True, None), (32, True, 32), (48, True, 48),
                                             (32, False, None)])

@@ -16,7 +16,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import tilelan
 from megatron.core.transformer.experimental_attention_variant.ops.tilelang_utils import (
     override_native_kernel_options,
 )
-from native_kernels import _has_option, bwd_mod, has, needs
+from native_kernels import _has_option, bwd_mod, has, needs, needs_draft
 from test_glm_hook import tilelang_config
 
 TOL = 1e-2  # bf16; the padded path measured ~3e-3 at 2048 tokens
@@ -167,8 +167,7 @@ def test_native_backward_levers_match_fp32_reference(monkeypatch, heads, topk, l
 
 # wip/0116 (a draft, not in the series): the backward with an add warpgroup, in runs that apply it
 # with WIP_PATCHES
-@pytest.mark.skipif(not _has_option("bwd_add_warpgroup"),
-                    reason="wip/0116 (NativeKernelOptions.bwd_add_warpgroup) is not applied")
+@needs_draft("wip/0116", "bwd_add_warpgroup")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 def test_native_backward_add_warpgroup_matches_fp32_reference(monkeypatch, heads, topk):
@@ -279,8 +278,7 @@ def test_native_deterministic_backward_bitwise_across_processes(monkeypatch, for
 # each query's indices sorted by key, on shuffled indices. Against the FP32 reference, bitwise
 # equal over repeated calls, and dk bitwise equal to the unsorted run's (the fixed-point adds are
 # order-free: the sort changes only the order in which the same terms are added).
-@pytest.mark.skipif(not _has_option("bwd_deterministic_sort"),
-                    reason="wip/0138 (NativeKernelOptions.bwd_deterministic_sort) is not applied")
+@needs_draft("wip/0138", "bwd_deterministic_sort")
 @pytest.mark.parametrize("heads", [16, 64])
 @pytest.mark.parametrize("form", ["int64", "fp32"])
 def test_native_deterministic_sorted_indices(monkeypatch, form, heads):
@@ -303,8 +301,7 @@ def test_native_deterministic_sorted_indices(monkeypatch, form, heads):
 # or 3 of the 8 chunks in WG0, 3 leaving WG1 an odd count). Against the FP32 reference, and
 # bitwise equal to the option-off kernel in the deterministic (int64, order-free) form, where a
 # P/dS overwrite that the tolerance would miss changes bits.
-@pytest.mark.skipif(not _has_option("bwd_early_ps_release"),
-                    reason="wip/0128 (NativeKernelOptions.bwd_early_ps_release) is not applied")
+@needs_draft("wip/0128", "bwd_early_ps_release")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("two_stages", [False, True])
@@ -331,12 +328,9 @@ def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, he
 # back after the first). Each batch element against its own FP32 reference, a row with no valid
 # index exactly zero, and out and dq bitwise equal to a CTA a query's (each query sums its
 # blocks in the same order either way).
-@pytest.mark.skipif(not _has_option("fwd_ws64_persistent"),
-                    reason="wip/0129 (NativeKernelOptions.fwd_ws64_persistent) is not applied")
+@needs_draft("wip/0129", "fwd_ws64_persistent")
 @pytest.mark.parametrize("waves,dynamic", [(True, False), (2, False)] + [
-    pytest.param(w, True, marks=pytest.mark.skipif(
-        not _has_option("fwd_ws64_dynamic"),
-        reason="wip/0143 (NativeKernelOptions.fwd_ws64_dynamic) is not applied"))
+    pytest.param(w, True, marks=needs_draft("wip/0143", "fwd_ws64_dynamic"))
     for w in (True, 2)])
 @pytest.mark.parametrize("sq,batch,bucket", [(300, 2, None), (100, 1, "128")])
 @pytest.mark.parametrize("topk", [65, 2051])
@@ -370,8 +364,7 @@ def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, t
 # the warp-specialized forwards (16 heads: 0070's, 32/64: 0112's) and the 64-row backward. Against
 # the FP32 reference; out and dq bitwise equal to exp2f's where no probability falls below 2**-126
 # (the two differ only there); with q x 30, where many do, no less accurate than exp2f's.
-@pytest.mark.skipif(not _has_option("fast_exp2"),
-                    reason="wip/0130 (NativeKernelOptions.fast_exp2) is not applied")
+@needs_draft("wip/0130", "fast_exp2")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [16, 32, 64])
 def test_native_fast_exp2_matches_fp32_reference(monkeypatch, heads, topk):
@@ -395,8 +388,7 @@ def test_native_fast_exp2_matches_fp32_reference(monkeypatch, heads, topk):
 # same bits (0 added where the mask started the accumulator at 0), so out and dq equal the
 # default's bit for bit; a CTA a query and persistent (wip/0129, where applied); top-k 65 (the
 # last block mostly -1), rows with no valid index.
-@pytest.mark.skipif(not _has_option("fwd_ws64_shared_mask"),
-                    reason="wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask) is not applied")
+@needs_draft("wip/0131", "fwd_ws64_shared_mask")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 def test_native_fwd_ws64_shared_mask_matches_fp32_reference(monkeypatch, heads, topk):
@@ -437,8 +429,7 @@ FWD_WS64_SAME_RESULT = [("fwd_ws64_smem_store", False, "0154"),
                         ("fwd_ws64_stage_out", True, "wip/0155")]
 
 
-@pytest.mark.parametrize("field,value", [pytest.param(field, value, marks=pytest.mark.skipif(
-    not _has_option(field), reason=f"{patch} (NativeKernelOptions.{field}) is not applied"),
+@pytest.mark.parametrize("field,value", [pytest.param(field, value, marks=needs_draft(patch, field),
     id=f"{field}={value}") for field, value, patch in FWD_WS64_SAME_RESULT])
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
@@ -456,8 +447,7 @@ def test_native_fwd_ws64_option_keeps_the_default_bitwise(monkeypatch, heads, to
 # fence of its own. Each WG0 chunk split (0, 2 and 3: 3 gives WG1 an odd first chunk, done on its
 # own) against the FP32 reference, and bitwise equal to the option off in the deterministic int64
 # form (a KV buffer freed too early would change bits there).
-@pytest.mark.skipif(not _has_option("bwd_ws64_async_dq"),
-                    reason="wip/0132 (NativeKernelOptions.bwd_ws64_async_dq) is not applied")
+@needs_draft("wip/0132", "bwd_ws64_async_dq")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("wg0_chunks", [0, 2, 3])
@@ -526,8 +516,7 @@ def test_native_backward_few_heads_ws64_matches_fp32_reference(monkeypatch, head
 # wip/0137 (issue #17), in runs that apply it with WIP_PATCHES: the row pairs' dKV adds with an
 # L2 cache policy (evict_last for the accumulator's first MiB), as the route runs it, against the
 # FP32 reference.
-@pytest.mark.skipif(not _has_option("bwd_dkv_evict_last_mib"),
-                    reason="wip/0137 (NativeKernelOptions.bwd_dkv_evict_last_mib) is not applied")
+@needs_draft("wip/0137", "bwd_dkv_evict_last_mib")
 @pytest.mark.parametrize("heads,topk", [(16, 2051), (64, 65), (64, 2051)])
 @pytest.mark.parametrize("mib", [1, 32])
 def test_native_backward_dkv_evict_last_matches_fp32_reference(monkeypatch, heads, topk, mib):
