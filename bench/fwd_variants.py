@@ -17,8 +17,8 @@ walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp:
 ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; _smask: -1 entries masked after the score
 GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _ostage: the persistent
 form's output staged in buffers of its own, with wip/0155-fwd-ws64-persistent-stage-out.patch;
-ws64_l2*: L2 eviction
-and prefetch hints on its loads, with WIP_PATCHES=wip/0119-l2-hints.patch; ws64_probe_q32 /
+ws64_l2*: L2 eviction and prefetch hints on its loads, with
+WIP_PATCHES=wip/0119-l2-hints.patch; ws64_probe_q32 /
 _o32: timing probes with wrong results, only 32 rows of Q loaded / of the output stored, with
 WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch; ws64_frag: the output stored from the
 accumulator fragment, 4 bytes a thread, as before 0154 staged it in the Q buffer), flashmla. Writes

@@ -720,7 +720,8 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
 @needs_draft("wip/0129", "fwd_ws64_persistent")
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("persist", [False, True, 2])
-@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=needs_draft("wip/0143", "fwd_ws64_dynamic"))])
+@pytest.mark.parametrize("dynamic", [
+    False, pytest.param(True, marks=needs_draft("wip/0143", "fwd_ws64_dynamic"))])
 def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist, dynamic):
     """wip/0129: NativeKernelOptions.fwd_ws64_persistent builds 0112's forward with one CTA an SM
     of the query's device (2: two, two waves); off (the default), a CTA a query, without asking
