@@ -69,7 +69,10 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 at 32/64 heads the same with fwd_ws64_persistent True / False (wip/0129 applied),
                 native_fwd_2waves_beside_gemm with fwd_ws64_persistent=2 (two CTAs an SM)
                 and native_fwd_dynamic_beside_gemm with fwd_ws64_dynamic (wip/0143: the queries
-                after each CTA's first from a counter)
+                after each CTA's first from a counter); with wip/0155 applied (wip/STACK),
+                native_fwd_ostage_beside_gemm: the stack's candidate (persistent, counter,
+                0155's output buffers, fast_exp2, fwd_ws64_shared_mask) and
+                native_fwd_fast_cta_beside_gemm: a CTA a query with fast_exp2 and the shared mask
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
@@ -647,6 +650,14 @@ def run(args):
                         # wip/0143: the queries after each CTA's first from a counter
                         ways.append(("native_fwd_dynamic_beside_gemm",
                                      {field: True, "fwd_ws64_dynamic": True}))
+                    if has_native_option("fwd_ws64_stage_out"):
+                        # wip/STACK's forward candidate (0129 + 0130 + 0131 + 0143 + 0155)
+                        # against a CTA a query with the same per-block options
+                        fast = {"fast_exp2": True, "fwd_ws64_shared_mask": True}
+                        ways += [("native_fwd_ostage_beside_gemm",
+                                  {field: True, "fwd_ws64_dynamic": True,
+                                   "fwd_ws64_stage_out": True, **fast}),
+                                 ("native_fwd_fast_cta_beside_gemm", {field: False, **fast})]
                 for name, way in ways:
                     add(name, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
