@@ -15,7 +15,7 @@ with top-k 257: more than one block pair), with fewer queries.
 --option NAME=VALUE (repeatable): run every case with that NativeKernelOptions field (a Python
 literal), e.g. a draft's kernel that a WIP_PATCHES run applied.
 --queries N: every case with N queries instead (with a persistent forward, more than the SMs,
-so that its CTAs take more than one query: wip/0129's loop, wip/0143's counter).
+so that its CTAs take more than one query: 0160's loop, 0163's counter).
 """
 import argparse
 import ast
