@@ -21,6 +21,7 @@ from native_kernels import (
     bwd_mod,
     dsa_kernels,
     fwd_mod,
+    fwd_ws64_route_kwargs,
     has,
     needs,
     needs_draft,
@@ -154,6 +155,8 @@ class KernelFakes:
         # persistent form (0: a CTA a query); drafts: 0161's fast_exp2, 0162's shared_mask, 0163's
         # dynamic and 0164's stage_out (passed only when on, as they are by default)
         assert set(drafts) <= {"fast_exp2", "shared_mask", "dynamic", "stage_out"}, drafts
+        # (the builder's own assertion: 0164's buffers only for the persistent form with 0154's store)
+        assert not drafts.get("stage_out") or (ctas and smem_store), (ctas, smem_store)
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
         self.builds[-1].update(kind="fwd_ws64", smem_store=smem_store, ctas=ctas, **drafts)
@@ -741,6 +744,30 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist, d
     assert set(asked) == ({query.device} if persist else set())
     assert fwd[0].get("dynamic", False) == (dynamic and bool(persist))
     assert fwd[0].get("counters", 0) == (1 if dynamic and persist else 0)
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
+@needs("0160")
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("smem_store", [True, False])
+def test_native_fwd_ws64_route_defaults(fakes, monkeypatch, heads, smem_store):
+    """0160-0164 on by default: the route builds 0112's forward persistent on the device's SMs
+    with fast_exp2, the shared mask, the query counter and 0164's output buffers (what the
+    codegen tests build as the route's kernel, fwd_ws64_route_kwargs). With 0154's store off,
+    0164's buffers are not asked for (the builder takes them only with it)."""
+    _fake_sm_count(monkeypatch, 7)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(fwd_ws64=True, fwd_ws64_smem_store=smem_store):  # 0112 off (the fixture)
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    (build,) = [b for b in fakes.builds if b["kind"].startswith("fwd")]
+    want = fwd_ws64_route_kwargs(sms=7)
+    if not smem_store:
+        want.update(smem_store=False)
+        want.pop("stage_out", None)
+    assert {k: v for k, v in build.items() if k in want} == want
+    assert smem_store or "stage_out" not in build
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
