@@ -76,10 +76,6 @@ WS64_L2_HINTS = {
     "ws64_l2kfpf": "kv_first+pf256+q_first",
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
-# the variants that turn on NativeKernelOptions fields wip drafts add: ((field, draft), ...)
-WIP_OPTIONS = {}
-
-
 # the variants that set the series' own options away from their defaults: (field, patch, value)
 _NO_PERSIST = ("fwd_ws64_persistent", "0160", False)
 _NO_FAST_EXP2 = ("fast_exp2", "0161", False)
@@ -131,10 +127,6 @@ def call(fwd_mod, name, q, kv, idx):
         if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
             raise RuntimeError(f"{name} needs patch {patch} (NativeKernelOptions.{field})")
         opts[field] = value
-    for field, draft, *value in WIP_OPTIONS.get(name, ()):
-        if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
-            raise RuntimeError(f"{name} needs {draft} (WIP_PATCHES=)")
-        opts[field] = value[0] if value else True
     if hasattr(fwd_mod, "WS64_L2_HINT"):  # wip/0119
         fwd_mod.WS64_L2_HINT = WS64_L2_HINTS.get(name, "")
     elif name in WS64_L2_HINTS:

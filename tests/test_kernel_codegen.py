@@ -485,10 +485,12 @@ def _bwd_ws64_route_sm90a(sm90, heads):
                   _round_up(2051, BWD_BLOCK), runtime_scale=True, **bwd_ws64_route_kwargs())
 
 
-# The route's 64-row builds at 64 heads (the forward at 32 too).
+# The route's 64-row builds at 64 heads (the forward at 32 too, and with 0160 off: a CTA a query).
 _WS64_BUILDS = {
     "fwd_ws64": lambda sm90: _ws64_fwd_sm90a(sm90, 64, **fwd_ws64_route_kwargs()),
     "fwd_ws64_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, **fwd_ws64_route_kwargs()),
+    "fwd_ws64_cta": lambda sm90: _ws64_fwd_sm90a(sm90, 64, **{
+        **fwd_ws64_route_kwargs(), "ctas": 0, "dynamic": False, "stage_out": False}),
     "bwd_ws64": lambda sm90: _bwd_ws64_route_sm90a(sm90, 64),
     "bwd_ws64_h8": lambda sm90: _bwd_ws64_route_sm90a(sm90, 8),
 }
@@ -497,7 +499,8 @@ _WS64_BUILDS = {
 @needs_tilelang
 @needs_nvcc
 @needs("0113")
-@pytest.mark.parametrize("kind", ["fwd_ws64", "fwd_ws64_h32", "bwd_ws64", pytest.param(
+@pytest.mark.parametrize("kind", ["fwd_ws64", "fwd_ws64_h32", pytest.param(
+    "fwd_ws64_cta", marks=needs("0160")), "bwd_ws64", pytest.param(
     "bwd_ws64_h8", marks=needs("0153"))])
 def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     """ptxas serializes every wgmma of a kernel (its warning C7514) when a non-wgmma
@@ -505,7 +508,8 @@ def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     across a loop's back edge: each HGMMA then gets its own arrive and wait (wip/0117 lost
     20-26% of the forward that way in run 19). The 64-row kernels the route builds at 64 heads
     (the forward at 32 heads too, with the series' options: 0154's store, 0160-0164's persistent
-    form; 0153: the backward at 8 heads) compile without it and without spills."""
+    form, and 0160's A/B, a CTA a query with 0161/0162's options; 0153: the backward at 8 heads)
+    compile without it and without spills."""
     src, _, _ = _WS64_BUILDS[kind](sm90)
     report = _ptxas_report(src)
     assert "C7514" not in report and "serialized" not in report, report[-2000:]
