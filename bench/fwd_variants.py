@@ -16,8 +16,7 @@ off; the series' options one at a time off: ws64_frag the output stored from the
 fragment, 4 bytes a thread (0154 off), ws64_cta a CTA a query (0160), ws64_exp2f / ws_exp2f exp2f
 (0161), ws64_gmask -1 entries masked from global memory before the score GEMMs (0162), ws64_fixed
 fixed shares of the queries (0163), ws64_qstage the output staged in the Q buffer (0164);
-ws64_plain all of 0160-0164 off; ws64_l2*: L2 eviction and prefetch hints on its loads, with
-WIP_PATCHES=wip/0119-l2-hints.patch), flashmla. Writes
+ws64_plain all of 0160-0164 off), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -63,17 +62,6 @@ VARIANTS = {
     "ws64_fixed": (False, {}),  # 0163: fixed shares of the queries instead of a counter
     "ws64_qstage": (False, {}),  # 0164: the output staged in the Q buffer (0154's)
     "ws64_plain": (False, {}),
-    # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
-    "ws64_l2kl": (False, {}),
-    "ws64_l2klpf": (False, {}),
-    "ws64_l2kfpf": (False, {}),
-}
-# wip/0119's modes: the KV gather evict_last / evict_first, pf: with a 256-byte L2 prefetch; Q
-# evict_first
-WS64_L2_HINTS = {
-    "ws64_l2kl": "kv_last+q_first",
-    "ws64_l2klpf": "kv_last+pf256+q_first",
-    "ws64_l2kfpf": "kv_first+pf256+q_first",
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
 # the variants that set the series' own options away from their defaults: (field, patch, value)
@@ -127,10 +115,6 @@ def call(fwd_mod, name, q, kv, idx):
         if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
             raise RuntimeError(f"{name} needs patch {patch} (NativeKernelOptions.{field})")
         opts[field] = value
-    if hasattr(fwd_mod, "WS64_L2_HINT"):  # wip/0119
-        fwd_mod.WS64_L2_HINT = WS64_L2_HINTS.get(name, "")
-    elif name in WS64_L2_HINTS:
-        raise RuntimeError(f"{name} needs wip/0119-l2-hints.patch (WIP_PATCHES=)")
     with override_native_kernel_options(**opts):
         return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 
