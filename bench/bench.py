@@ -66,13 +66,10 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 8192^3 bf16 GEMMs enqueued before each call (another kernel shares the GPU), with
                 the persistent forward and with NativeKernelOptions(fwd_ws_persistent=False), a
                 CTA a query (issue #18: the persistent form must not lose there), 32k/16 heads;
-                at 32/64 heads the same with fwd_ws64_persistent True / False (wip/0129 applied),
+                at 32/64 heads the same with fwd_ws64_persistent True / False (0160),
                 native_fwd_2waves_beside_gemm with fwd_ws64_persistent=2 (two CTAs an SM)
-                and native_fwd_dynamic_beside_gemm with fwd_ws64_dynamic (wip/0143: the queries
-                after each CTA's first from a counter); with wip/0155 applied (wip/STACK),
-                native_fwd_ostage_beside_gemm: the stack's candidate (persistent, counter,
-                0155's output buffers, fast_exp2, fwd_ws64_shared_mask) and
-                native_fwd_fast_cta_beside_gemm: a CTA a query with fast_exp2 and the shared mask
+                and native_fwd_fixed_beside_gemm with fwd_ws64_dynamic=False (0163 off: each
+                CTA a fixed share of the queries instead of the next from a counter)
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
@@ -638,26 +635,19 @@ def run(args):
         if native:
             add("native_fwd", 512, 2051, fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True), True)
             # the persistent forward and a CTA a query with another kernel beside them: 0070's
-            # at 16 heads, wip/0129's 64-row one at 32/64 heads where the tree has it
+            # at 16 heads, 0160's 64-row one at 32/64 heads where the tree has it (the other
+            # options at their defaults)
             field = {16: "fwd_ws_persistent", 32: "fwd_ws64_persistent",
                      64: "fwd_ws64_persistent"}.get(heads)
             if field and L == 32768 and has_native_option(field):
                 ways = [("native_fwd_beside_gemm", {field: True}),
                         ("native_fwd_cta_beside_gemm", {field: False})]
-                if field == "fwd_ws64_persistent":  # wip/0129: two CTAs an SM (two waves)
+                if field == "fwd_ws64_persistent":  # 0160: two CTAs an SM (two waves)
                     ways.append(("native_fwd_2waves_beside_gemm", {field: 2}))
                     if has_native_option("fwd_ws64_dynamic"):
-                        # wip/0143: the queries after each CTA's first from a counter
-                        ways.append(("native_fwd_dynamic_beside_gemm",
-                                     {field: True, "fwd_ws64_dynamic": True}))
-                    if has_native_option("fwd_ws64_stage_out"):
-                        # wip/STACK's forward candidate (0129 + 0130 + 0131 + 0143 + 0155)
-                        # against a CTA a query with the same per-block options
-                        fast = {"fast_exp2": True, "fwd_ws64_shared_mask": True}
-                        ways += [("native_fwd_ostage_beside_gemm",
-                                  {field: True, "fwd_ws64_dynamic": True,
-                                   "fwd_ws64_stage_out": True, **fast}),
-                                 ("native_fwd_fast_cta_beside_gemm", {field: False, **fast})]
+                        # A/B of 0163: each CTA a fixed share of the queries, not from a counter
+                        ways.append(("native_fwd_fixed_beside_gemm",
+                                     {field: True, "fwd_ws64_dynamic": False}))
                 for name, way in ways:
                     add(name, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,

@@ -11,17 +11,12 @@ same kernel with other stage counts, block sizes or thread counts), ws (0070's
 warp-specialized kernel with two KV buffers, where the installed tree has it; ws3 the same
 with three, 16 heads only; _c2: its score GEMM in two MMA chains instead of four; _np: a CTA per
 query instead of persistent; _w: both GEMMs on wgmma, with WIP_PATCHES=wip/0080-ws-wgmma.patch),
-ws64 (32 and 64 heads: 0112's 64-row tiles; the others run with it off; ws64_async: FlashMLA's GEMM
-waits, with WIP_PATCHES=wip/0144-fwd-ws64-async-gemms-pipelined.patch; ws64_persist: one CTA an SM
-walking the queries, with WIP_PATCHES=wip/0129-fwd-ws64-persistent.patch; _fexp: exp2 as one
-ex2.approx.ftz, with wip/0130-native-fast-exp2.patch; _smask: -1 entries masked after the score
-GEMMs from shared memory, with wip/0131-fwd-ws64-shared-mask.patch; _ostage: the persistent
-form's output staged in buffers of its own, with wip/0155-fwd-ws64-persistent-stage-out.patch;
-ws64_l2*: L2 eviction and prefetch hints on its loads, with
-WIP_PATCHES=wip/0119-l2-hints.patch; ws64_probe_q32 /
-_o32: timing probes with wrong results, only 32 rows of Q loaded / of the output stored, with
-WIP_PATCHES=wip/0145-fwd-ws64-io-probes.patch; ws64_frag: the output stored from the
-accumulator fragment, 4 bytes a thread, as before 0154 staged it in the Q buffer), flashmla. Writes
+ws64 (32 and 64 heads: 0112's 64-row tiles as the series builds them; the others run with it
+off; the series' options one at a time off: ws64_frag the output stored from the accumulator
+fragment, 4 bytes a thread (0154 off), ws64_cta a CTA a query (0160), ws64_exp2f / ws_exp2f exp2f
+(0161), ws64_gmask -1 entries masked from global memory before the score GEMMs (0162), ws64_fixed
+fixed shares of the queries (0163), ws64_qstage the output staged in the Q buffer (0164);
+ws64_plain all of 0160-0164 off), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -58,73 +53,32 @@ VARIANTS = {
     "ws3_w_np": (True, {}),
     # 0112 (NativeKernelOptions.fwd_ws64): 64-row tiles, two consumer warpgroups, 32/64 heads
     "ws64": (False, {}),
-    # wip/0144 (NativeKernelOptions.fwd_ws64_async_gemms): FlashMLA's GEMM waits
-    "ws64_async": (False, {}),
-    # wip/0129 (NativeKernelOptions.fwd_ws64_persistent): one CTA an SM walking the queries
-    "ws64_persist": (False, {}),
-    # wip/0130 (NativeKernelOptions.fast_exp2): exp2 as one ex2.approx.ftz
-    "ws_fexp": (True, {}),
-    "ws64_fexp": (False, {}),
-    "ws64_persist_fexp": (False, {}),
-    # wip/0131 (NativeKernelOptions.fwd_ws64_shared_mask): -1 entries masked after the GEMMs
-    "ws64_smask": (False, {}),
-    "ws64_persist_fexp_smask": (False, {}),
-    # two of the three (which of them the combination needs)
-    "ws64_fexp_smask": (False, {}),
-    "ws64_persist_smask": (False, {}),
-    # wip/0143 (NativeKernelOptions.fwd_ws64_dynamic): the persistent CTAs' queries from a counter
-    "ws64_persist_dyn": (False, {}),
-    "ws64_persist_fexp_smask_dyn": (False, {}),
-    # wip/0155 (NativeKernelOptions.fwd_ws64_stage_out): the persistent form's output staged in
-    # buffers of its own, so that the next Q need not wait for 0154's store
-    "ws64_persist_fexp_smask_dyn_ostage": (False, {}),
-    # 0154 off (NativeKernelOptions.fwd_ws64_smem_store=False): the output from the fragment
-    "ws64_frag": (False, {}),
-    # wip/0145 (timing probes, wrong results): only 32 rows of Q loaded / of the output stored
-    "ws64_probe_q32": (False, {}),
-    "ws64_probe_o32": (False, {}),
-    # wip/0119 (tilelang_sparse_mla_fwd.WS64_L2_HINT): ws64 with L2 hints, WS64_L2_HINTS
-    "ws64_l2kl": (False, {}),
-    "ws64_l2klpf": (False, {}),
-    "ws64_l2kfpf": (False, {}),
-}
-# wip/0119's modes: the KV gather evict_last / evict_first, pf: with a 256-byte L2 prefetch; Q
-# evict_first
-WS64_L2_HINTS = {
-    "ws64_l2kl": "kv_last+q_first",
-    "ws64_l2klpf": "kv_last+pf256+q_first",
-    "ws64_l2kfpf": "kv_first+pf256+q_first",
+    # the series' 64-row forward with one of its options off (ws64_plain: 0160-0164 all off)
+    "ws64_frag": (False, {}),  # 0154: the output from the fragment (and so 0164 off too)
+    "ws64_cta": (False, {}),  # 0160: a CTA a query instead of persistent
+    "ws64_exp2f": (False, {}),  # 0161: exp2f instead of ex2.approx.ftz
+    "ws_exp2f": (True, {}),  # the same in 0070's forward
+    "ws64_gmask": (False, {}),  # 0162: -1 entries masked from global memory, before the GEMMs
+    "ws64_fixed": (False, {}),  # 0163: fixed shares of the queries instead of a counter
+    "ws64_qstage": (False, {}),  # 0164: the output staged in the Q buffer (0154's)
+    "ws64_plain": (False, {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
-# the variants that turn on NativeKernelOptions fields wip drafts add: ((field, draft), ...)
-_PERSIST = ("fwd_ws64_persistent", "wip/0129-fwd-ws64-persistent.patch")
-_FAST_EXP2 = ("fast_exp2", "wip/0130-native-fast-exp2.patch")
-_SHARED_MASK = ("fwd_ws64_shared_mask", "wip/0131-fwd-ws64-shared-mask.patch")
-_DYNAMIC = ("fwd_ws64_dynamic", "wip/0143-fwd-ws64-dynamic-queries.patch")
-_STAGE_OUT = ("fwd_ws64_stage_out", "wip/0155-fwd-ws64-persistent-stage-out.patch")
-WIP_OPTIONS = {
-    "ws64_async": (("fwd_ws64_async_gemms", "wip/0144-fwd-ws64-async-gemms-pipelined.patch"),),
-    "ws64_persist": (_PERSIST,),
-    "ws_fexp": (_FAST_EXP2,),
-    "ws64_fexp": (_FAST_EXP2,),
-    "ws64_persist_fexp": (_PERSIST, _FAST_EXP2),
-    "ws64_smask": (_SHARED_MASK,),
-    "ws64_persist_fexp_smask": (_PERSIST, _FAST_EXP2, _SHARED_MASK),
-    "ws64_fexp_smask": (_FAST_EXP2, _SHARED_MASK),
-    "ws64_persist_smask": (_PERSIST, _SHARED_MASK),
-    "ws64_persist_dyn": (_PERSIST, _DYNAMIC),
-    "ws64_persist_fexp_smask_dyn": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC),
-    "ws64_persist_fexp_smask_dyn_ostage": (_PERSIST, _FAST_EXP2, _SHARED_MASK, _DYNAMIC,
-                                           _STAGE_OUT),
-    # (field, draft, value): an option other than True
-    "ws64_probe_q32": (("fwd_ws64_probe_q_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),
-    "ws64_probe_o32": (("fwd_ws64_probe_o_rows", "wip/0145-fwd-ws64-io-probes.patch", 32),),
-}
-
-
 # the variants that set the series' own options away from their defaults: (field, patch, value)
+_NO_PERSIST = ("fwd_ws64_persistent", "0160", False)
+_NO_FAST_EXP2 = ("fast_exp2", "0161", False)
+_NO_SHARED_MASK = ("fwd_ws64_shared_mask", "0162", False)
+_NO_DYNAMIC = ("fwd_ws64_dynamic", "0163", False)
+_NO_STAGE_OUT = ("fwd_ws64_stage_out", "0164", False)
 SERIES_OPTIONS = {
     "ws64_frag": (("fwd_ws64_smem_store", "0154", False),),
+    "ws64_cta": (_NO_PERSIST,),
+    "ws64_exp2f": (_NO_FAST_EXP2,),
+    "ws_exp2f": (_NO_FAST_EXP2,),
+    "ws64_gmask": (_NO_SHARED_MASK,),
+    "ws64_fixed": (_NO_DYNAMIC,),
+    "ws64_qstage": (_NO_STAGE_OUT,),
+    "ws64_plain": (_NO_PERSIST, _NO_FAST_EXP2, _NO_SHARED_MASK, _NO_DYNAMIC, _NO_STAGE_OUT),
 }
 
 
@@ -161,14 +115,6 @@ def call(fwd_mod, name, q, kv, idx):
         if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
             raise RuntimeError(f"{name} needs patch {patch} (NativeKernelOptions.{field})")
         opts[field] = value
-    for field, draft, *value in WIP_OPTIONS.get(name, ()):
-        if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
-            raise RuntimeError(f"{name} needs {draft} (WIP_PATCHES=)")
-        opts[field] = value[0] if value else True
-    if hasattr(fwd_mod, "WS64_L2_HINT"):  # wip/0119
-        fwd_mod.WS64_L2_HINT = WS64_L2_HINTS.get(name, "")
-    elif name in WS64_L2_HINTS:
-        raise RuntimeError(f"{name} needs wip/0119-l2-hints.patch (WIP_PATCHES=)")
     with override_native_kernel_options(**opts):
         return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)
 

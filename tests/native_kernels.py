@@ -128,6 +128,12 @@ FEATURES = {
              lambda: _has_option("bwd_deterministic_fine_scales")),
     "0153": ("NativeKernelOptions.bwd_ws64_few_heads", lambda: _has_option("bwd_ws64_few_heads")),
     "0154": ("NativeKernelOptions.fwd_ws64_smem_store", lambda: _has_option("fwd_ws64_smem_store")),
+    "0160": ("NativeKernelOptions.fwd_ws64_persistent", lambda: _has_option("fwd_ws64_persistent")),
+    "0161": ("NativeKernelOptions.fast_exp2", lambda: _has_option("fast_exp2")),
+    "0162": ("NativeKernelOptions.fwd_ws64_shared_mask",
+             lambda: _has_option("fwd_ws64_shared_mask")),
+    "0163": ("NativeKernelOptions.fwd_ws64_dynamic", lambda: _has_option("fwd_ws64_dynamic")),
+    "0164": ("NativeKernelOptions.fwd_ws64_stage_out", lambda: _has_option("fwd_ws64_stage_out")),
 }
 
 
@@ -145,6 +151,21 @@ def bwd_ws64_route_kwargs(sms=132):
         kwargs.update(block_phase_ns=8000)
     if has("0133"):  # the row-pair adds
         kwargs.update(row_pairs=True)
+    if has("0161"):  # exp2 as ex2.approx.ftz
+        kwargs.update(fast_exp2=True)
+    return kwargs
+
+
+def fwd_ws64_route_kwargs(sms=132):
+    """The keyword arguments the native route gives 0112's builder by default (besides the
+    runtime scale), on a device of `sms` SMs, with the series' patches in the tree."""
+    kwargs = {"smem_store": True} if has("0154") else {}
+    if has("0160"):  # persistent, one CTA an SM
+        kwargs.update(ctas=sms)
+    for number, arg in (("0161", "fast_exp2"), ("0162", "shared_mask"), ("0163", "dynamic"),
+                        ("0164", "stage_out")):
+        if has(number):
+            kwargs[arg] = True
     return kwargs
 
 

@@ -33,6 +33,7 @@ from native_kernels import (
     bwd_ws64_route_kwargs,
     bwd_mod,
     fwd_mod,
+    fwd_ws64_route_kwargs,
     has,
     listed,
     needs,
@@ -457,13 +458,14 @@ def _split_ws64_fwd(src):
     return wg0, wg1, producer
 
 
-# wip/0129's consumers handing Q over in a query's last block pair (17 pairs at top-k 2051)
+# 0160's consumers handing Q over in a query's last block pair (17 pairs at top-k 2051)
 _Q_HANDOVER_IN_LAST_PAIR = r"if \(p_i\w* == 16\) \{\s*bar_q_free\[0\]\.arrive\(\);"
 
 
 def _ws64_fwd_sm90a(sm90, heads, **draft):
-    """0112's forward at top-k 2051 with the scale at each call (the route's build), for sm_90a,
-    with a draft's arguments; one build a set of them (the fixture keys by the name)."""
+    """0112's forward at top-k 2051 with the scale at each call, for sm_90a, with these builder
+    arguments (none: the builder's defaults; the route's: fwd_ws64_route_kwargs()); one build a
+    set of them (the fixture keys by the name)."""
     topk = _round_up(2051, 2 * BLOCK_I)
     name = f"fwd_ws64 h{heads} topk {topk}" + "".join(f" {k}={v}" for k, v in sorted(draft.items()))
     return _sm90a(sm90, name, fwd_mod.sparse_mla_fwd_nope_ws64, heads, D_V, topk, None,
@@ -483,37 +485,31 @@ def _bwd_ws64_route_sm90a(sm90, heads):
                   _round_up(2051, BWD_BLOCK), runtime_scale=True, **bwd_ws64_route_kwargs())
 
 
-# The route's 64-row builds at 64 heads, and the drafts'.
+# The route's 64-row builds at 64 heads (the forward at 32 too, and with 0160 off: a CTA a query).
 _WS64_BUILDS = {
-    "fwd_ws64": lambda sm90: _ws64_fwd_sm90a(sm90, 64),
+    "fwd_ws64": lambda sm90: _ws64_fwd_sm90a(sm90, 64, **fwd_ws64_route_kwargs()),
+    "fwd_ws64_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, **fwd_ws64_route_kwargs()),
+    "fwd_ws64_cta": lambda sm90: _ws64_fwd_sm90a(sm90, 64, **{
+        **fwd_ws64_route_kwargs(), "ctas": 0, "dynamic": False, "stage_out": False}),
     "bwd_ws64": lambda sm90: _bwd_ws64_route_sm90a(sm90, 64),
     "bwd_ws64_h8": lambda sm90: _bwd_ws64_route_sm90a(sm90, 8),
-    "fwd_ws64_async": lambda sm90: _ws64_fwd_sm90a(sm90, 64, async_gemms=True),
-    "fwd_ws64_async_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, async_gemms=True),
-    "fwd_ws64_stage_out": lambda sm90: _ws64_fwd_sm90a(sm90, 64, ctas=132, stage_out=True),
-    "fwd_ws64_stage_out_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, ctas=132, stage_out=True),
 }
-_WS64_DRAFTS = {"fwd_ws64_async": ("fwd_ws64_async_gemms", "wip/0144"),
-                "fwd_ws64_async_h32": ("fwd_ws64_async_gemms", "wip/0144"),
-                "fwd_ws64_stage_out": ("fwd_ws64_stage_out", "wip/0155"),
-                "fwd_ws64_stage_out_h32": ("fwd_ws64_stage_out", "wip/0155")}
 
 
 @needs_tilelang
 @needs_nvcc
 @needs("0113")
-@pytest.mark.parametrize("kind", ["fwd_ws64", "bwd_ws64", pytest.param(
-    "bwd_ws64_h8", marks=needs("0153"))] + [pytest.param(
-    kind, marks=needs_draft(draft, field))
-    for kind, (field, draft) in _WS64_DRAFTS.items()])
+@pytest.mark.parametrize("kind", ["fwd_ws64", "fwd_ws64_h32", pytest.param(
+    "fwd_ws64_cta", marks=needs("0160")), "bwd_ws64", pytest.param(
+    "bwd_ws64_h8", marks=needs("0153"))])
 def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     """ptxas serializes every wgmma of a kernel (its warning C7514) when a non-wgmma
     instruction touches the accumulator of one still in flight, for instance one left in flight
     across a loop's back edge: each HGMMA then gets its own arrive and wait (wip/0117 lost
     20-26% of the forward that way in run 19). The 64-row kernels the route builds at 64 heads
-    (0154's output store included; 0153: the backward at 8 heads too; wip/0144's forward and
-    wip/0155's persistent one at 64 and 32 heads, where applied) compile without it and without
-    spills."""
+    (the forward at 32 heads too, with the series' options: 0154's store, 0160-0164's persistent
+    form, and 0160's A/B, a CTA a query with 0161/0162's options; 0153: the backward at 8 heads)
+    compile without it and without spills."""
     src, _, _ = _WS64_BUILDS[kind](sm90)
     report = _ptxas_report(src)
     assert "C7514" not in report and "serialized" not in report, report[-2000:]
@@ -574,10 +570,10 @@ def test_fwd_native_ws64_compiles_for_sm90a(sm90, heads):
 
 @needs_tilelang
 @needs_nvcc
-@needs_draft("wip/0143", "fwd_ws64_dynamic")
+@needs("0163")
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_dynamic_compiles_for_sm90a(sm90, heads):
-    """wip/0143: the persistent forward's CTAs take their queries after the first from a counter.
+    """0163: the persistent forward's CTAs take their queries after the first from a counter.
     Only the producer's thread 0 adds to it, once a query, after the consumers have freed Q and
     before the producer loads the next Q; it hands the query over on a one-arrival barrier that
     every warpgroup waits on, and every warpgroup leaves its loop at the first query past the
@@ -605,11 +601,11 @@ def test_fwd_native_ws64_dynamic_compiles_for_sm90a(sm90, heads):
 
 @needs_tilelang
 @needs_nvcc
-@needs_draft("wip/0129", "fwd_ws64_persistent")
+@needs("0160")
 @pytest.mark.parametrize("smem_store", [True, False])
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads, smem_store):
-    """wip/0129: with ctas, ctas CTAs each loop over their queries in all three warpgroups. Each
+    """0160: with ctas, ctas CTAs each loop over their queries in all three warpgroups. Each
     consumer arrives once a query on the 256-arrival Q handover: with 0154's store (the output
     staged in the Q buffer) after its last read of the output back from it, without it in its
     last block pair, after the score GEMMs (waited). The producer waits on it before loading the
@@ -644,10 +640,10 @@ def test_fwd_native_ws64_persistent_compiles_for_sm90a(sm90, heads, smem_store):
 
 @needs_tilelang
 @needs_nvcc
-@needs_draft("wip/0155", "fwd_ws64_stage_out")
+@needs("0164")
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_stage_out_compiles_for_sm90a(sm90, heads):
-    """wip/0155: the persistent form with 0154's store stages each consumer's output in a buffer
+    """0164: the persistent form with 0154's store stages each consumer's output in a buffer
     of its own, 64 columns at a time (four chunks, a warpgroup sync before each chunk's writes
     and before its reads), never in the Q buffer, so Q is handed over in the last block pair
     again; 16-byte stores; the whole fits the SM's 227 KiB (no spills, no serialized wgmma:
@@ -955,10 +951,10 @@ def test_bwd_native_ws64_query_phase_replaces_the_timer(sm90):
 
 @needs_tilelang
 @needs_nvcc
-@needs_draft("wip/0131", "fwd_ws64_shared_mask")
+@needs("0162")
 @pytest.mark.parametrize("heads", [32, 64])
 def test_fwd_native_ws64_shared_mask_compiles_for_sm90a(sm90, heads):
-    """wip/0131: with shared_mask the consumers read no index from global memory; each clears
+    """0162: with shared_mask the consumers read no index from global memory; each clears
     its scores in the first score GEMM, waits on the producer's 16-arrival mask barrier after
     the second GEMM has completed and adds the mask from shared memory before the row maxima.
     The producer's 16 writers (one a row group) arrive after the pair's last gather is issued.
@@ -980,11 +976,12 @@ def test_fwd_native_ws64_shared_mask_compiles_for_sm90a(sm90, heads):
 
 @needs_tilelang
 @needs_nvcc
-@needs_draft("wip/0130", "fast_exp2")
+@needs("0161")
 @pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws64", "bwd_ws64"])
 def test_native_fast_exp2_compiles_for_sm90a(sm90, kernel):
-    """wip/0130: with fast_exp2 every exponential of the kernel is the prelude's ex2.approx.ftz
-    helper and none is exp2f; without it, none is the helper (the series' kernel)."""
+    """0161: with fast_exp2 (the route's default) every exponential of the kernel is the
+    prelude's ex2.approx.ftz helper and none is exp2f; without it (the builders' default), none
+    is the helper."""
     if kernel == "fwd_ws":
         build = lambda **kw: _sm90a(sm90, f"fwd_ws h16 {kw}", fwd_mod.sparse_mla_fwd_nope_ws, 16,
                                     D_V, _round_up(2051, 3 * BLOCK_I), None, block_I=BLOCK_I,

@@ -21,6 +21,7 @@ from native_kernels import (
     bwd_mod,
     dsa_kernels,
     fwd_mod,
+    fwd_ws64_route_kwargs,
     has,
     needs,
     needs_draft,
@@ -140,7 +141,7 @@ class KernelFakes:
 
     def get_fwd_ws(self, heads, dim, topk, sm_scale, block_I, num_buffers, qk_chains=4, ctas=0,
                    runtime_scale=False, **drafts):
-        # drafts: wip/0130's fast_exp2 (passed only when on), which changes no result
+        # drafts: 0161's fast_exp2 (passed only when on, its default), which changes no result
         assert set(drafts) <= {"fast_exp2"}, drafts
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
@@ -150,20 +151,22 @@ class KernelFakes:
 
     def get_fwd_ws64(self, heads, dim, topk, sm_scale, block_I, runtime_scale=False,
                      smem_store=True, ctas=0, **drafts):
-        # smem_store: 0154's output store through the Q buffer (the same result); ctas: wip/0129's
-        # persistent form (the series' wrapper does not pass it); drafts: wip/0130's fast_exp2,
-        # wip/0131's shared_mask, wip/0143's dynamic and wip/0155's stage_out (passed only when on)
+        # smem_store: 0154's output store through the Q buffer (the same result); ctas: 0160's
+        # persistent form (0: a CTA a query); drafts: 0161's fast_exp2, 0162's shared_mask, 0163's
+        # dynamic and 0164's stage_out (passed only when on, as they are by default)
         assert set(drafts) <= {"fast_exp2", "shared_mask", "dynamic", "stage_out"}, drafts
+        # (the builder's own assertion: 0164's buffers only for the persistent form with 0154's store)
+        assert not drafts.get("stage_out") or (ctas and smem_store), (ctas, smem_store)
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
         self.builds[-1].update(kind="fwd_ws64", smem_store=smem_store, ctas=ctas, **drafts)
         if not drafts.get("dynamic"):
             return kernel
-        assert ctas and runtime_scale, "wip/0143: dynamic only with ctas and the runtime scale"
+        assert ctas and runtime_scale, "0163: dynamic only with ctas and the runtime scale"
         build = self.builds[-1]
 
         def counted(q, kv, indices, counter, *scale):
-            # wip/0143: the query counter, zero at each call, before the scale
+            # 0163: the query counter, zero at each call, before the scale
             assert counter.dtype == torch.int32 and counter.shape == (1,)
             assert counter.device == q.device and int(counter[0]) == 0
             build["counters"] = build.get("counters", 0) + 1
@@ -207,7 +210,7 @@ class KernelFakes:
         # the head counts the kernel takes (its builder asserts the same)
         assert H in (32, 64) or 1 <= H <= 16, H
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
-        # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), wip/0130's
+        # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), 0161's
         # fast_exp2, wip/0132's async_dq, 0133's row_pairs, wip/0137's dkv_evict_last_mib and
         # 0142's block_phase_queries change no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
@@ -717,22 +720,22 @@ def test_native_64_row_kernels_switch(fakes, monkeypatch, heads, kernel_heads, f
 
 
 @needs_tilelang
-@needs_draft("wip/0129", "fwd_ws64_persistent")
+@needs("0160")
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("persist", [False, True, 2])
-@pytest.mark.parametrize("dynamic", [
-    False, pytest.param(True, marks=needs_draft("wip/0143", "fwd_ws64_dynamic"))])
+@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=needs("0163"))])
 def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist, dynamic):
-    """wip/0129: NativeKernelOptions.fwd_ws64_persistent builds 0112's forward with one CTA an SM
-    of the query's device (2: two, two waves); off (the default), a CTA a query, without asking
-    the device. wip/0143's fwd_ws64_dynamic builds the persistent one with its query counter and
-    passes a zero int32 counter at each call (before the scale); without fwd_ws64_persistent it
-    changes nothing (a CTA a query has no counter). The gradients through the hook are the
-    reference's either way."""
+    """0160: NativeKernelOptions.fwd_ws64_persistent (on by default) builds 0112's forward with
+    one CTA an SM of the query's device (2: two, two waves); off, a CTA a query, without asking
+    the device. 0163's fwd_ws64_dynamic (on by default) builds the persistent one with its query
+    counter and passes a zero int32 counter at each call (before the scale); without
+    fwd_ws64_persistent it changes nothing (a CTA a query has no counter). The gradients through
+    the hook are the reference's either way."""
     asked = _fake_sm_count(monkeypatch, 7)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
-    fields = dict(fwd_ws64_persistent=persist, **({"fwd_ws64_dynamic": True} if dynamic else {}))
+    dyn = {"fwd_ws64_dynamic": dynamic} if has("0163") else {}
+    fields = dict(fwd_ws64_persistent=persist, **dyn)
     with options(fwd_ws64=True, **fields):  # 0112 off (the fixture)
         out, grad, _ = _run_hook(fakes, query, key, idx, scale)
     fwd = [b for b in fakes.builds if b["kind"].startswith("fwd")]
@@ -745,14 +748,38 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist, d
 
 
 @needs_tilelang
-@needs_draft("wip/0130", "fast_exp2")
+@needs("0160")
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("smem_store", [True, False])
+def test_native_fwd_ws64_route_defaults(fakes, monkeypatch, heads, smem_store):
+    """0160-0164 on by default: the route builds 0112's forward persistent on the device's SMs
+    with fast_exp2, the shared mask, the query counter and 0164's output buffers (what the
+    codegen tests build as the route's kernel, fwd_ws64_route_kwargs). With 0154's store off,
+    0164's buffers are not asked for (the builder takes them only with it)."""
+    _fake_sm_count(monkeypatch, 7)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, heads, 256, 512)
+    with options(fwd_ws64=True, fwd_ws64_smem_store=smem_store):  # 0112 off (the fixture)
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    (build,) = [b for b in fakes.builds if b["kind"].startswith("fwd")]
+    want = fwd_ws64_route_kwargs(sms=7)
+    if not smem_store:
+        want.update(smem_store=False)
+        want.pop("stage_out", None)
+    assert {k: v for k, v in build.items() if k in want} == want
+    assert smem_store or "stage_out" not in build
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
+@needs("0161")
 @pytest.mark.parametrize("heads", [16, 32, 64])
 @pytest.mark.parametrize("fast", [False, True])
 def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
-    """wip/0130: NativeKernelOptions.fast_exp2 reaches the warp-specialized forward's builder
-    and the 64-row backward's (at 16 heads too since 0134; the head-block kernel, which 16 heads
-    take without 0134, keeps exp2f); off (the default), their calls are the series' own, without
-    the argument. The gradients through the hook are the reference's either way."""
+    """0161: NativeKernelOptions.fast_exp2 (on by default) reaches the warp-specialized
+    forward's builder and the 64-row backward's (at 16 heads too since 0134; the head-block
+    kernel, which 16 heads take without 0134, keeps exp2f); off, their calls are without the
+    argument. The gradients through the hook are the reference's either way."""
     _fake_sm_count(monkeypatch, 7)  # 0070's persistent forward asks for the SM count
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
@@ -771,12 +798,12 @@ def test_native_fast_exp2_switch(fakes, monkeypatch, heads, fast):
     _assert_hook_matches_reference(out, grad, query, key, idx, scale)
 
 
-# 0154's and wip drafts' options for 0112's forward and 0113's backward: (NativeKernelOptions
+# 0154's, 0162's and wip drafts' options for 0112's forward and 0113's backward: (NativeKernelOptions
 # field, the option turning the kernel on (the fixture turns it off), the build's kind, builder
 # argument, patch)
 _DRAFT_SWITCHES = [
     ("fwd_ws64_smem_store", "fwd_ws64", "fwd_ws64", "smem_store", "0154"),
-    ("fwd_ws64_shared_mask", "fwd_ws64", "fwd_ws64", "shared_mask", "wip/0131"),
+    ("fwd_ws64_shared_mask", "fwd_ws64", "fwd_ws64", "shared_mask", "0162"),
     ("bwd_ws64_async_dq", "bwd_ws64", "bwd_ws64", "async_dq", "wip/0132"),
 ]
 
@@ -788,10 +815,10 @@ _DRAFT_SWITCHES = [
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("on", [False, True])
 def test_native_64_row_draft_switch(fakes, heads, on, field, kernel_on, kind, arg):
-    """0154 (fwd_ws64_smem_store, on by default), wip/0131 (fwd_ws64_shared_mask) and wip/0132
-    (bwd_ws64_async_dq): the option reaches 0112's / 0113's builder as its argument (a draft's
-    off, its default: the series' call, without it), the only build of its direction. The
-    gradients through the hook are the reference's."""
+    """0154 (fwd_ws64_smem_store) and 0162 (fwd_ws64_shared_mask), on by default, and wip/0132
+    (bwd_ws64_async_dq): the option reaches 0112's / 0113's builder as its argument (0162's and
+    a draft's off: the call without it), the only build of its direction. The gradients through
+    the hook are the reference's."""
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)
     with options(**{kernel_on: True, field: on}):

@@ -320,18 +320,16 @@ def test_native_backward_early_ps_release_matches_fp32_reference(monkeypatch, he
     assert_bitwise(on, off, "changes with early_ps_release in the deterministic form")
 
 
-# wip/0129 (issue #18), in runs that apply it with WIP_PATCHES (and wip/0143's query counter
-# where that is applied too): 0112's forward persistent, one
-# CTA an SM walking the queries of the flattened batch x sequence (two sequences of 300, bucketed
-# to 512: up to eight queries a CTA, across the batch boundary; one of 100 bucketed to 128: fewer
-# queries than SMs, so some CTAs have none; top-k 65: one block pair a query, so Q is handed
-# back after the first). Each batch element against its own FP32 reference, a row with no valid
-# index exactly zero, and out and dq bitwise equal to a CTA a query's (each query sums its
-# blocks in the same order either way).
-@needs_draft("wip/0129", "fwd_ws64_persistent")
+# 0160 (issue #18): 0112's forward persistent (the default), one CTA an SM walking the queries
+# of the flattened batch x sequence, with and without 0163's query counter (two sequences of
+# 300, bucketed to 512: up to eight queries a CTA, across the batch boundary; one of 100
+# bucketed to 128: fewer queries than SMs, so some CTAs have none; top-k 65: one block pair a
+# query, so Q is handed back after the first). Each batch element against its own FP32
+# reference, a row with no valid index exactly zero, and out and dq bitwise equal to a CTA a
+# query's (each query sums its blocks in the same order either way).
+@needs("0160")
 @pytest.mark.parametrize("waves,dynamic", [(True, False), (2, False)] + [
-    pytest.param(w, True, marks=needs_draft("wip/0143", "fwd_ws64_dynamic"))
-    for w in (True, 2)])
+    pytest.param(w, True, marks=needs("0163")) for w in (True, 2)])
 @pytest.mark.parametrize("sq,batch,bucket", [(300, 2, None), (100, 1, "128")])
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
@@ -346,9 +344,11 @@ def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, t
     do = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
     idx = torch.stack([causal_random_indices(sq, sq, topk, g) for _ in range(batch)]).to(DEV)
     idx[batch - 1, 7] = -1
-    # (2: two CTAs an SM; dynamic, wip/0143: the queries after each CTA's first from a counter)
-    forms = dict(fwd_ws64_persistent=waves, **({"fwd_ws64_dynamic": True} if dynamic else {}))
-    got, want = with_and_without(q, k, idx, do, **forms)
+    # (2: two CTAs an SM; dynamic, 0163: the queries after each CTA's first from a counter)
+    counter = {"fwd_ws64_dynamic": dynamic} if has("0163") else {}
+    forms = dict(fwd_ws64_persistent=waves, **counter)
+    got, want = with_and_without(q, k, idx, do, without=dict(fwd_ws64_persistent=False),
+                                 **forms)
     assert torch.equal(got[0], want[0]), "out differs from a CTA a query's"
     assert torch.equal(got[1], want[1]), "dq differs from a CTA a query's"
     for b in range(batch):
@@ -360,22 +360,23 @@ def test_native_fwd_ws64_persistent_matches_fp32_reference(monkeypatch, heads, t
     assert torch.count_nonzero(got[0][empty]) == 0 and torch.count_nonzero(got[1][empty]) == 0
 
 
-# wip/0130 (issues #17/#18), in runs that apply it with WIP_PATCHES: exp2 as one ex2.approx.ftz in
-# the warp-specialized forwards (16 heads: 0070's, 32/64: 0112's) and the 64-row backward. Against
-# the FP32 reference; out and dq bitwise equal to exp2f's where no probability falls below 2**-126
-# (the two differ only there); with q x 30, where many do, no less accurate than exp2f's.
-@needs_draft("wip/0130", "fast_exp2")
+# 0161 (issues #17/#18): exp2 as one ex2.approx.ftz (the default) in the warp-specialized
+# forwards (16 heads: 0070's, 32/64: 0112's) and the 64-row backward. Against the FP32
+# reference; out and dq bitwise equal to exp2f's where no probability falls below 2**-126 (the
+# two differ only there); with q x 30, where many do, no less accurate than exp2f's.
+@needs("0161")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [16, 32, 64])
 def test_native_fast_exp2_matches_fp32_reference(monkeypatch, heads, topk):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 23, 9,
                                            fast_exp2=True, **phase_off())
     q, k, do, idx = make(512, heads, 512, topk, seed=heads + topk)
-    on, off = with_and_without(q, k, idx, do, fast_exp2=True)
+    exp2f = dict(fast_exp2=False)
+    on, off = with_and_without(q, k, idx, do, without=exp2f, fast_exp2=True)
     assert torch.equal(on[0], off[0]), "out differs from exp2f's"
     assert torch.equal(on[1], off[1]), "dq differs from exp2f's"
     q = (q.float() * 30).to(torch.bfloat16)  # scores spread over hundreds of nats
-    on, off = with_and_without(q, k, idx, do, fast_exp2=True)
+    on, off = with_and_without(q, k, idx, do, without=exp2f, fast_exp2=True)
     ref = run_reference(q, k, idx, do)
     for name, a, b, r in zip(("out", "dq", "dk"), on, off, ref):
         assert torch.isfinite(a.float()).all(), f"q x 30: {name} has non-finite values"
@@ -383,28 +384,29 @@ def test_native_fast_exp2_matches_fp32_reference(monkeypatch, heads, topk):
         assert err <= 1.1 * err_off + 1e-4, f"q x 30: {name} {err:.2e} against exp2f's {err_off:.2e}"
 
 
-# wip/0131 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward masks -1
-# entries after its score GEMMs, from shared memory the gather warpgroup fills. The scores are the
-# same bits (0 added where the mask started the accumulator at 0), so out and dq equal the
-# default's bit for bit; a CTA a query and persistent (wip/0129, where applied); top-k 65 (the
-# last block mostly -1), rows with no valid index.
-@needs_draft("wip/0131", "fwd_ws64_shared_mask")
+# 0162 (issue #18): the 64-row forward masks -1 entries after its score GEMMs, from shared
+# memory the gather warpgroup fills (the default). The scores are the same bits (0 added where
+# the mask started the accumulator at 0), so out and dq equal the option off's bit for bit; a
+# CTA a query and persistent (0160, where in the tree); top-k 65 (the last block mostly -1), rows
+# with no valid index.
+@needs("0162")
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 def test_native_fwd_ws64_shared_mask_matches_fp32_reference(monkeypatch, heads, topk):
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 29, 11,
                                            fwd_ws64_shared_mask=True, **phase_off())
-    forward_option_is_the_default_bitwise(heads, topk, heads + topk, 5, fwd_ws64_shared_mask=True)
+    forward_option_is_the_default_bitwise(heads, topk, heads + topk, 5, fwd_ws64_shared_mask=False)
 
 
 def forward_option_is_the_default_bitwise(heads, topk, seed, empty_row, **option):
     """300 queries (rows empty_row and 299 without a valid index): with NativeKernelOptions
-    `option` out and dq equal the default's bit for bit, a CTA a query and persistent (wip/0129,
-    where applied); 0121's timer phase off in every call."""
+    `option` out and dq equal the default's bit for bit, a CTA a query and persistent (0160,
+    where in the tree); 0121's timer phase off in every call."""
     q, k, do, idx = make(300, heads, 512, topk, seed=seed, empty_rows=(empty_row, 299))
     with override_native_kernel_options(**phase_off()):
         want = run_fused(q, k, idx, do)
-    forms = [{}] + ([{"fwd_ws64_persistent": True}] if _has_option("fwd_ws64_persistent") else [])
+    # (0160: the default persistent, and a CTA a query)
+    forms = [{}] + ([{"fwd_ws64_persistent": False}] if _has_option("fwd_ws64_persistent") else [])
     for form in forms:
         with override_native_kernel_options(**option, **form, **phase_off()):
             got = run_fused(q, k, idx, do)
@@ -416,27 +418,27 @@ def forward_option_is_the_default_bitwise(heads, topk, seed, empty_row, **option
 # the same GEMMs in the same order and the same bf16 rounding, so out and dq equal the default's
 # bit for bit (and match the FP32 reference): 32 heads (rows past 32 not stored), 64 heads, top-k
 # 65 (one block pair) and 2051 (17), rows with no valid index, a CTA a query and persistent
-# (wip/0129, where applied). (field, value, patch):
+# (0160, where in the tree). (field, value, patch):
 # - 0154 off: the output stored from the accumulator fragment, 4 bytes a thread, instead of
-#   staged in the Q buffer and stored in whole rows;
-# - wip/0144 (in runs that apply it with WIP_PATCHES): the consumers' GEMMs asynchronous
-#   (FlashMLA's waits; the next pair's scores under WG0's second P.V, the last pair's P.V waited
-#   alone);
-# - wip/0155 (with wip/STACK): the persistent form's output staged in buffers of its own, 64
-#   columns at a time (it acts only when persistent: against the FP32 reference persistent).
+#   staged in shared memory and stored in whole rows (0164's buffers need 0154: off with it);
+# - 0164 off: the persistent form's output staged in the Q buffer (0154's) instead of in
+#   buffers of its own, 64 columns at a time (it acts only when persistent: against the FP32
+#   reference persistent);
+# - 0163 off: the persistent form's queries in fixed shares instead of from a counter.
 FWD_WS64_SAME_RESULT = [("fwd_ws64_smem_store", False, "0154"),
-                        ("fwd_ws64_async_gemms", True, "wip/0144"),
-                        ("fwd_ws64_stage_out", True, "wip/0155")]
+                        ("fwd_ws64_stage_out", False, "0164"),
+                        ("fwd_ws64_dynamic", False, "0163")]
 
 
-@pytest.mark.parametrize("field,value", [pytest.param(field, value, marks=needs_draft(patch, field),
+@pytest.mark.parametrize("field,value", [pytest.param(field, value, marks=needs(patch),
     id=f"{field}={value}") for field, value, patch in FWD_WS64_SAME_RESULT])
 @pytest.mark.parametrize("topk", [65, 2051])
 @pytest.mark.parametrize("heads", [32, 64])
 def test_native_fwd_ws64_option_keeps_the_default_bitwise(monkeypatch, heads, topk, field, value):
     monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
     option = {field: value}
-    persistent = {"fwd_ws64_persistent": True} if field == "fwd_ws64_stage_out" else {}
+    persistent = {"fwd_ws64_persistent": True} if field in ("fwd_ws64_stage_out",
+                                                              "fwd_ws64_dynamic") else {}
     native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 61, 13,
                                            **option, **persistent, **phase_off())
     forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **option)
@@ -549,12 +551,13 @@ def test_native_backward_query_phase(monkeypatch, heads, topk):
         assert torch.equal(det[2], plain[2]), "dk depends on the phase"
 
 
-def with_and_without(q, k, idx, do, **options):
-    """Two fwd+bwd calls, with NativeKernelOptions `options` and without, 0121's timer phase off
-    in both (so that dq sums its blocks in one order)."""
+def with_and_without(q, k, idx, do, without=None, **options):
+    """Two fwd+bwd calls, with NativeKernelOptions `options` and without (with `without`'s where
+    the defaults already have them), 0121's timer phase off in both (so that dq sums its blocks in
+    one order)."""
     with override_native_kernel_options(**options, **phase_off()):
         on = run_fused(q, k, idx, do)
-    with override_native_kernel_options(**phase_off()):
+    with override_native_kernel_options(**(without or {}), **phase_off()):
         off = run_fused(q, k, idx, do)
     return on, off
 
