@@ -73,6 +73,10 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
+  native_fwd_vs_flashmla  native_fwd and flashmla_fwd timed call by call in turns (--pair-reps
+                pairs, the order swapped each pair): both medians and the median of the pairs'
+                ratios, which the GPU's warming between two rows does not move (issue #18's
+                ratio); outputs compared (rel_l2_vs_flashmla)
   cudnn / cudnn_fwd 512/2051  megatron-core's own dsa_kernel_backend="cudnn" through the same hook on
                 the same MLATransformerConfig (FlashMLA forward + cuDNN CuTe-DSL backward;
                 bench/cudnn_peer.py says what it needs); out, dq, dk checked against the native
@@ -333,6 +337,48 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
                    msg=f"{type(exc).__name__}: {exc}"[:500])
         for k in [k for k in row if k.endswith("_ms") or k.endswith("_gib")]:
             del row[k]  # a number taken before the failure is not the row's result
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=None):
+    """Two forward calls timed call by call in turns (ours first on even reps, the peer first on
+    odd ones), so that both see the same clocks and the same neighbours: a ratio taken this way
+    does not move with the GPU's warming between two rows. make_pair() gives (ours, peer, check):
+    ours and peer run one call each, check() what the row adds after the timed calls. The row's
+    fwd_ms is ours (median and min), peer_fwd_ms the peer's, ratio_median the median of the
+    per-rep ratios ours / peer. timer(call) -> ms (one timed call; CUDA events by default)."""
+    import torch
+
+    timer = timer or (lambda call: timed(call, 1)[0])
+    row = dict(name=name, dim=width, width=topk_width, heads=heads, seqlen=seqlen)
+    try:
+        ours, peer, check = make_pair()
+        ours()
+        peer()
+        torch.cuda.synchronize()
+        a, b = [], []
+        for rep in range(reps):
+            if rep % 2 == 0:
+                a.append(timer(ours))
+                b.append(timer(peer))
+            else:
+                b.append(timer(peer))
+                a.append(timer(ours))
+        row.update(fwd_ms=statistics.median(a), fwd_ms_min=min(a), peer_fwd_ms=statistics.median(b),
+                   peer_fwd_ms_min=min(b), ratio_median=statistics.median(x / y for x, y in zip(a, b)),
+                   pair_reps=reps, oom=False, status="ok")
+        extra = check()
+        if extra:
+            row.update(extra)
+    except torch.OutOfMemoryError as exc:
+        row.update(oom=True, status="oom", msg=str(exc).split("\n")[0][:200])
+    except Exception as exc:  # noqa: BLE001 (a row records why it has no number)
+        row.update(oom=False, status="error", msg=f"{type(exc).__name__}: {exc}"[:500])
+        for k in [k for k in row if k.endswith("_ms") or k.endswith("_min") or k == "ratio_median"]:
+            del row[k]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
@@ -664,7 +710,7 @@ def run(args):
                 add("cudnn", 512, 2051, fwd_bwd(cudnn, q512, k512, idx, ref=ref))
                 add("cudnn_fwd", 512, 2051, fwd_bwd(cudnn, q512, k512, idx, True, ref=ref), True)
                 del ref
-        if fm is not None and wanted("flashmla_fwd"):
+        if fm is not None and (wanted("flashmla_fwd") or wanted("native_fwd_vs_flashmla")):
             with torch.no_grad():
                 os.environ[NOPE_ENV] = "padded"
                 ours = hook_fn(heads, "padded")(q512, k512, idx, scale)
@@ -684,6 +730,27 @@ def run(args):
                             "flashmla_topk": f.idx.size(-1)}
                 return call, check
             add("flashmla_fwd", 512, 2051, make_fm, True)
+            if native and wanted("native_fwd_vs_flashmla"):
+
+                def make_pair():
+                    ours_call = fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True)()[0]
+                    f = FlashMLAFwd(fm, heads, idx)
+                    qp, kv = f.prepare(q512, k512)
+                    got, held = {}, {}
+
+                    def peer_call():
+                        with torch.no_grad():
+                            held["out"] = f(qp, kv, scale)
+
+                    def check():
+                        ours_call(got)
+                        peer_call()
+                        fm_out = held["out"][:, :heads].unsqueeze(1)
+                        return {"rel_l2_vs_flashmla": rel_l2(got["out"], fm_out)}
+
+                    return ours_call, peer_call, check
+                rows.append(measure_pair("native_fwd_vs_flashmla", 512, heads, L, 2051, make_pair,
+                                         args.pair_reps))
             del ours
         del q512, k512, do
         os.environ.pop(NOPE_ENV, None)
@@ -731,6 +798,11 @@ def write_table(rows, notes, path):
               if f"rel_l2_{t}_vs_native" in r]
         if vs:
             note.append("rel L2 vs native: " + ", ".join(vs))
+        if "ratio_median" in r:
+            note.append(f"in turns with FlashMLA {r['peer_fwd_ms']:.2f} ms: ours / FlashMLA "
+                        f"{r['ratio_median']:.3f} (median of {r['pair_reps']} pairs' ratios)")
+        if "rel_l2_vs_flashmla" in r:
+            note.append(f"rel L2 vs FlashMLA {r['rel_l2_vs_flashmla']:.1e}")
         if r["name"] == "first_call_shipped" and "fused_s" in r:
             note.append(f"fused call {r['fused_s']:.1f} s, {r.get('compiled')} kernels compiled")
         if status not in ("ok", "oom") and r.get("msg"):
@@ -854,6 +926,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pair-reps", type=int, default=20,
+                    help="timed pairs of native_fwd_vs_flashmla (ours and FlashMLA's forward in turns)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", nargs="*", help="only these HEADS:TOKENS, e.g. 16:32768")
     ap.add_argument("--rows", nargs="*", help="only these row names, e.g. native_fwd flashmla_fwd")

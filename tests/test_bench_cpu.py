@@ -113,6 +113,63 @@ def test_ratio_beyond_the_results_every_path_holds(tmp_path):
         in path.read_text()
 
 
+def test_pair_times_ours_and_the_peer_in_turns(monkeypatch, tmp_path):
+    """native_fwd_vs_flashmla: each rep times both calls, the order swapped every rep, and the
+    ratio is the median of the reps' own ratios (a drift that slows both calls cancels)."""
+    import bench
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    order, clock = [], {"ours": 10.0, "peer": 10.0}
+
+    def call(who):
+        def run():
+            order.append(who)
+        run.who = who
+        return run
+
+    def timer(run):
+        run()
+        clock[run.who] *= 1.1  # the GPU slows through the run: both calls alike
+        return clock[run.who] * (0.9 if run.who == "ours" else 1.0)
+
+    row = bench.measure_pair("native_fwd_vs_flashmla", 512, 32, 32768, 2051,
+                             lambda: (call("ours"), call("peer"), lambda: {"rel_l2_vs_flashmla": 2e-5}),
+                             4, timer=timer)
+    # one untimed call each first, then ours first on even reps and the peer first on odd ones
+    assert order == ["ours", "peer", "ours", "peer", "peer", "ours", "ours", "peer", "peer", "ours"]
+    assert row["status"] == "ok" and row["pair_reps"] == 4
+    assert math.isclose(row["ratio_median"], 0.9)
+    assert math.isclose(row["fwd_ms"], 0.9 * 10 * (1.1 ** 2 + 1.1 ** 3) / 2)
+    assert math.isclose(row["peer_fwd_ms"], 10 * (1.1 ** 2 + 1.1 ** 3) / 2)
+    assert math.isclose(row["fwd_ms_min"], 0.9 * 11.0) and math.isclose(row["peer_fwd_ms_min"], 11.0)
+    assert row["rel_l2_vs_flashmla"] == 2e-5
+    path = tmp_path / "t.md"
+    bench.write_table([row], [], path)
+    text = path.read_text()
+    assert f"| native_fwd_vs_flashmla | 512 | 2051 | 32 | 32768 |  | {row['fwd_ms']:.2f} |" in text
+    assert (f"in turns with FlashMLA {row['peer_fwd_ms']:.2f} ms: ours / FlashMLA 0.900 (median of 4 "
+            "pairs' ratios); rel L2 vs FlashMLA 2.0e-05") in text
+
+
+def test_pair_that_fails_records_why_and_no_number(monkeypatch):
+    import bench
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    calls = iter([5.0, 6.0])
+
+    def make():
+        def boom():
+            raise RuntimeError("FlashMLA: no kernel for this shape")
+        return (lambda: None), boom, dict
+
+    row = bench.measure_pair("native_fwd_vs_flashmla", 512, 64, 32768, 2051, make, 3,
+                             timer=lambda run: (run(), next(calls))[1])
+    assert row["status"] == "error" and "no kernel for this shape" in row["msg"]
+    assert not [k for k in row if k.endswith("_ms") or k.endswith("_min") or k == "ratio_median"]
+
+
 def test_render_rewrites_table_and_plot_from_jsonl(tmp_path):
     rows = [row("native", 16, 90.0, 0.5), row("cudnn", 16, 100.0, 16.0),
             dict(name="first_call_cold", dim=512, width=2051, heads=16, seqlen=4096, oom=False,
