@@ -304,13 +304,32 @@ def timed(call, reps):
     return times
 
 
+def guarded(row, body):
+    """Run body(row), which fills in a row's numbers; a failure leaves the row its status and why
+    (oom, declined or error) and none of the numbers taken before it, which are not its result."""
+    import torch
+
+    try:
+        body(row)
+    except torch.OutOfMemoryError as exc:
+        row.update(oom=True, status="oom", msg=str(exc).split("\n")[0][:200])
+    except Exception as exc:  # noqa: BLE001 (a row records why it has no number)
+        declined = isinstance(exc, Declined) or "declined" in str(exc)
+        row.update(oom=False, status="declined" if declined else "error",
+                   msg=f"{type(exc).__name__}: {exc}"[:500])
+    if row.get("status", "ok") != "ok":
+        for k in [k for k in row if k.endswith(("_ms", "_min", "_gib")) or k == "ratio_median"]:
+            del row[k]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
     import torch
 
-    row = dict(name=name, dim=width, width=topk_width, heads=heads, seqlen=seqlen)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    try:
+    def body(row):
         call, cleanup = make_call()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -329,18 +348,10 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
         extra = cleanup()
         if extra:
             row.update(extra)
-    except torch.OutOfMemoryError as exc:
-        row.update(oom=True, status="oom", msg=str(exc).split("\n")[0][:200])
-    except Exception as exc:  # noqa: BLE001 (a row records why it has no number)
-        declined = isinstance(exc, Declined) or "declined" in str(exc)
-        row.update(oom=False, status="declined" if declined else "error",
-                   msg=f"{type(exc).__name__}: {exc}"[:500])
-        for k in [k for k in row if k.endswith("_ms") or k.endswith("_gib")]:
-            del row[k]  # a number taken before the failure is not the row's result
+
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    print(json.dumps(row), flush=True)
-    return row
+    return guarded(dict(name=name, dim=width, width=topk_width, heads=heads, seqlen=seqlen), body)
 
 
 def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=None):
@@ -353,8 +364,8 @@ def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=
     import torch
 
     timer = timer or (lambda call: timed(call, 1)[0])
-    row = dict(name=name, dim=width, width=topk_width, heads=heads, seqlen=seqlen)
-    try:
+
+    def body(row):
         ours, peer, check = make_pair()
         ours()
         peer()
@@ -373,16 +384,8 @@ def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=
         extra = check()
         if extra:
             row.update(extra)
-    except torch.OutOfMemoryError as exc:
-        row.update(oom=True, status="oom", msg=str(exc).split("\n")[0][:200])
-    except Exception as exc:  # noqa: BLE001 (a row records why it has no number)
-        row.update(oom=False, status="error", msg=f"{type(exc).__name__}: {exc}"[:500])
-        for k in [k for k in row if k.endswith("_ms") or k.endswith("_min") or k == "ratio_median"]:
-            del row[k]
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    print(json.dumps(row), flush=True)
-    return row
+
+    return guarded(dict(name=name, dim=width, width=topk_width, heads=heads, seqlen=seqlen), body)
 
 
 COLD_CALL = r"""

@@ -170,6 +170,24 @@ def test_pair_that_fails_records_why_and_no_number(monkeypatch):
     assert not [k for k in row if k.endswith("_ms") or k.endswith("_min") or k == "ratio_median"]
 
 
+@pytest.mark.parametrize("exc, status", [(RuntimeError("boom"), "error"),
+                                         (RuntimeError("DSA fused hook declined"), "declined"),
+                                         (torch.OutOfMemoryError("CUDA out of memory"), "oom")])
+def test_a_failed_row_keeps_no_number_taken_before_the_failure(monkeypatch, exc, status):
+    import bench
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def body(row):
+        row.update(first_call_s=1.0, peak_extra_gib=2.0, fwd_ms=3.0, fwd_ms_min=2.9, status="ok")
+        raise exc
+
+    row = bench.guarded(dict(name="native_fwd"), body)
+    assert row["status"] == status and row["first_call_s"] == 1.0
+    assert not {"peak_extra_gib", "fwd_ms", "fwd_ms_min"} & set(row)
+
+
 def test_render_rewrites_table_and_plot_from_jsonl(tmp_path):
     rows = [row("native", 16, 90.0, 0.5), row("cudnn", 16, 100.0, 16.0),
             dict(name="first_call_cold", dim=512, width=2051, heads=16, seqlen=4096, oom=False,
