@@ -305,10 +305,13 @@ def timed(call, reps):
 
 
 def guarded(row, body):
-    """Run body(row), which fills in a row's numbers; a failure leaves the row its status and why
-    (oom, declined or error) and none of the numbers taken before it, which are not its result."""
+    """Run body(row), which fills in a row's numbers, on a GPU with nothing left queued or cached
+    from the row before; a failure leaves the row its status and why (oom, declined or error) and
+    none of the numbers taken before it, which are not its result."""
     import torch
 
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     try:
         body(row)
     except torch.OutOfMemoryError as exc:
@@ -349,8 +352,6 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
         if extra:
             row.update(extra)
 
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
     return guarded(dict(name=name, dim=width, width=topk_width, heads=heads, seqlen=seqlen), body)
 
 
@@ -718,7 +719,9 @@ def run(args):
                 os.environ[NOPE_ENV] = "padded"
                 ours = hook_fn(heads, "padded")(q512, k512, idx, scale)
 
-            def make_fm():
+            def fm_call():
+                """FlashMLA's forward on this config's inputs, prepared before timing: its adapter,
+                the call, and the last call's output for our heads ([tokens, 1, heads, 512])."""
                 f = FlashMLAFwd(fm, heads, idx)
                 qp, kv = f.prepare(q512, k512)
                 holder = {}
@@ -726,10 +729,13 @@ def run(args):
                 def call():
                     with torch.no_grad():
                         holder["out"] = f(qp, kv, scale)
+                return f, call, lambda: holder["out"][:, : heads].unsqueeze(1)
+
+            def make_fm():
+                f, call, out = fm_call()
 
                 def check():
-                    out = holder["out"][:, : heads].unsqueeze(1)
-                    return {"rel_l2_vs_padded": rel_l2(out, ours), "flashmla_heads": f.hp,
+                    return {"rel_l2_vs_padded": rel_l2(out(), ours), "flashmla_heads": f.hp,
                             "flashmla_topk": f.idx.size(-1)}
                 return call, check
             add("flashmla_fwd", 512, 2051, make_fm, True)
@@ -737,19 +743,13 @@ def run(args):
 
                 def make_pair():
                     ours_call = fwd_bwd(hook_fn(heads, "native"), q512, k512, idx, True)()[0]
-                    f = FlashMLAFwd(fm, heads, idx)
-                    qp, kv = f.prepare(q512, k512)
-                    got, held = {}, {}
-
-                    def peer_call():
-                        with torch.no_grad():
-                            held["out"] = f(qp, kv, scale)
+                    _, peer_call, peer_out = fm_call()
+                    got = {}
 
                     def check():
                         ours_call(got)
                         peer_call()
-                        fm_out = held["out"][:, :heads].unsqueeze(1)
-                        return {"rel_l2_vs_flashmla": rel_l2(got["out"], fm_out)}
+                        return {"rel_l2_vs_flashmla": rel_l2(got["out"], peer_out())}
 
                     return ours_call, peer_call, check
                 rows.append(measure_pair("native_fwd_vs_flashmla", 512, heads, L, 2051, make_pair,
