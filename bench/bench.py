@@ -70,6 +70,11 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 native_fwd_2waves_beside_gemm with fwd_ws64_persistent=2 (two CTAs an SM)
                 and native_fwd_fixed_beside_gemm with fwd_ws64_dynamic=False (0163 off: each
                 CTA a fixed share of the queries instead of the next from a counter)
+  native_fwd_vs_cta_beside_gemm  native_fwd_beside_gemm and native_fwd_cta_beside_gemm timed
+                call by call in turns (--pair-reps pairs, as native_fwd_vs_flashmla), each call
+                with its own GEMMs enqueued beside it: issue #18's guard as one ratio (the
+                beside-GEMM rows taken apart move between rounds more than the two forms
+                differ); outputs compared (rel_l2_vs_cta)
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
@@ -355,13 +360,15 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
     return guarded(dict(name=name, dim=width, width=topk_width, heads=heads, seqlen=seqlen), body)
 
 
-def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=None):
+def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=None,
+                 peer_name="FlashMLA"):
     """Two forward calls timed call by call in turns (ours first on even reps, the peer first on
     odd ones), so that both see the same clocks and the same neighbours: a ratio taken this way
     does not move with the GPU's warming between two rows. make_pair() gives (ours, peer, check):
     ours and peer run one call each, check() what the row adds after the timed calls. The row's
     fwd_ms is ours (median and min), peer_fwd_ms the peer's, ratio_median the median of the
-    per-rep ratios ours / peer. timer(call) -> ms (one timed call; CUDA events by default)."""
+    per-rep ratios ours / peer; peer_name names the peer in the table. timer(call) -> ms (one
+    timed call; CUDA events by default)."""
     import torch
 
     timer = timer or (lambda call: timed(call, 1)[0])
@@ -381,7 +388,7 @@ def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=
                 a.append(timer(ours))
         row.update(fwd_ms=statistics.median(a), fwd_ms_min=min(a), peer_fwd_ms=statistics.median(b),
                    peer_fwd_ms_min=min(b), ratio_median=statistics.median(x / y for x, y in zip(a, b)),
-                   pair_reps=reps, oom=False, status="ok")
+                   pair_reps=reps, peer=peer_name, oom=False, status="ok")
         extra = check()
         if extra:
             row.update(extra)
@@ -702,6 +709,24 @@ def run(args):
                     add(name, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
                         options=way), True)
+                if wanted("native_fwd_vs_cta_beside_gemm"):
+
+                    def make_cta_pair():
+                        # each call enqueues its own GEMMs before it, as in the rows above
+                        ours_call, cta_call = (fwd_bwd(
+                            hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
+                            options={field: on})()[0] for on in (True, False))
+
+                        def check():
+                            got, cta = {}, {}
+                            ours_call(got)
+                            cta_call(cta)
+                            return {"rel_l2_vs_cta": rel_l2(got["out"], cta["out"])}
+
+                        return ours_call, cta_call, check
+                    rows.append(measure_pair("native_fwd_vs_cta_beside_gemm", 512, heads, L, 2051,
+                                             make_cta_pair, args.pair_reps,
+                                             peer_name="CTA a query"))
         if wanted("cudnn") or wanted("cudnn_fwd"):
             if cudnn_mod is None:
                 for name in ("cudnn", "cudnn_fwd"):
@@ -802,10 +827,13 @@ def write_table(rows, notes, path):
         if vs:
             note.append("rel L2 vs native: " + ", ".join(vs))
         if "ratio_median" in r:
-            note.append(f"in turns with FlashMLA {r['peer_fwd_ms']:.2f} ms: ours / FlashMLA "
+            peer = r.get("peer", "FlashMLA")  # rows measured before the field was written
+            note.append(f"in turns with {peer} {r['peer_fwd_ms']:.2f} ms: ours / {peer} "
                         f"{r['ratio_median']:.3f} (median of {r['pair_reps']} pairs' ratios)")
         if "rel_l2_vs_flashmla" in r:
             note.append(f"rel L2 vs FlashMLA {r['rel_l2_vs_flashmla']:.1e}")
+        if "rel_l2_vs_cta" in r:
+            note.append(f"rel L2 vs CTA a query {r['rel_l2_vs_cta']:.1e}")
         if r["name"] == "first_call_shipped" and "fused_s" in r:
             note.append(f"fused call {r['fused_s']:.1f} s, {r.get('compiled')} kernels compiled")
         if status not in ("ok", "oom") and r.get("msg"):

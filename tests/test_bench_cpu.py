@@ -157,6 +157,30 @@ def test_pair_times_ours_and_the_peer_in_turns(no_cuda_sync, tmp_path):
             "pairs' ratios); rel L2 vs FlashMLA 2.0e-05") in text
 
 
+def test_pair_names_its_peer_in_the_table(no_cuda_sync, tmp_path):
+    """native_fwd_vs_cta_beside_gemm: the same pairing against another form of our own forward; the
+    table names that peer, and a row measured before rows named their peer still reads FlashMLA."""
+    import bench
+
+    def make():
+        return (lambda: None), (lambda: None), lambda: {"rel_l2_vs_cta": 0.0}
+
+    times = iter([9.0, 10.0, 10.0, 9.5, 9.0, 12.0])
+    row = bench.measure_pair("native_fwd_vs_cta_beside_gemm", 512, 64, 32768, 2051, make, 3,
+                             timer=lambda run: next(times), peer_name="CTA a query")
+    assert row["peer"] == "CTA a query" and row["rel_l2_vs_cta"] == 0.0
+    # reps: (ours 9, peer 10), (peer 10, ours 9.5), (ours 9, peer 12)
+    assert math.isclose(row["ratio_median"], 0.9)
+    old = dict(row, name="native_fwd_vs_flashmla", rel_l2_vs_flashmla=2e-5)
+    del old["peer"], old["rel_l2_vs_cta"]
+    path = tmp_path / "t.md"
+    bench.write_table([row, old], [], path)
+    text = path.read_text()
+    assert ("in turns with CTA a query 10.00 ms: ours / CTA a query 0.900 (median of 3 pairs' "
+            "ratios); rel L2 vs CTA a query 0.0e+00") in text
+    assert "in turns with FlashMLA 10.00 ms: ours / FlashMLA 0.900" in text
+
+
 def test_pair_that_fails_records_why_and_no_number(no_cuda_sync):
     import bench
 
