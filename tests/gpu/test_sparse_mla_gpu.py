@@ -444,20 +444,6 @@ def test_native_fwd_ws64_option_keeps_the_default_bitwise(monkeypatch, heads, to
     forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **option)
 
 
-# wip/0165 (issue #18), in runs that apply it with WIP_PATCHES: the 64-row forward's consumers
-# wait for their GEMMs as FlashMLA's do (the next pair's score GEMMs issued under the last P.V).
-# Against the FP32 reference (200 queries: persistent CTAs take a second one), and out and dq
-# bitwise the default's, persistent and a CTA a query (the same GEMMs in the same order).
-@needs_draft("wip/0165", "fwd_ws64_async_gemms")
-@pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [32, 64])
-def test_native_fwd_ws64_async_gemms_is_the_default_bitwise(monkeypatch, heads, topk):
-    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 61, 13,
-                                           fwd_ws64_async_gemms=True, **phase_off())
-    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7,
-                                          fwd_ws64_async_gemms=True)
-
-
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
 # its dQ GEMM under the block's first dKV GEMMs and frees the KV buffer after it, with no proxy
 # fence of its own. Each WG0 chunk split (0, 2 and 3: 3 gives WG1 an odd first chunk, done on its
