@@ -958,7 +958,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pair-reps", type=int, default=20,
-                    help="timed pairs of native_fwd_vs_flashmla (ours and FlashMLA's forward in turns)")
+                    help="timed pairs of the rows that take two forwards in turns "
+                         "(native_fwd_vs_flashmla, native_fwd_vs_cta_beside_gemm)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", nargs="*", help="only these HEADS:TOKENS, e.g. 16:32768")
     ap.add_argument("--rows", nargs="*", help="only these row names, e.g. native_fwd flashmla_fwd")
