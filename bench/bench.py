@@ -81,7 +81,10 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
   native_fwd_vs_flashmla  native_fwd and flashmla_fwd timed call by call in turns (--pair-reps
                 pairs, the order swapped each pair): both medians and the median of the pairs'
                 ratios, which the GPU's warming between two rows does not move (issue #18's
-                ratio); outputs compared (rel_l2_vs_flashmla)
+                ratio); each call starts on an idle GPU, so its host time (Python, the hook,
+                the launches) is in it; the same pairs again with the queue primed by a GPU
+                sleep give the GPU's time alone (gpu_ratio_median) and each call's host time
+                (host_ms, peer_host_ms); outputs compared (rel_l2_vs_flashmla)
   cudnn / cudnn_fwd 512/2051  megatron-core's own dsa_kernel_backend="cudnn" through the same hook on
                 the same MLATransformerConfig (FlashMLA forward + cuDNN CuTe-DSL backward;
                 bench/cudnn_peer.py says what it needs); out, dq, dk checked against the native
@@ -309,6 +312,30 @@ def timed(call, reps):
     return times
 
 
+# about 10 ms of GPU sleep at an H100's or H200's clocks: far longer than the host takes to
+# enqueue one forward through the hook
+PRIME_CYCLES = 20_000_000
+
+
+def timed_primed(call, cycles=PRIME_CYCLES):
+    """One call's GPU time with the host's enqueueing kept out of it, and that host time: the
+    stream first sleeps (torch.cuda._sleep) while the host enqueues the call behind it, so the
+    start event fires with the call's launches already queued. Returns (GPU ms, host ms, sleep
+    ms); a host time above the sleep's means the GPU waited for the host after all."""
+    import torch
+
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    ev[0].record()
+    torch.cuda._sleep(cycles)
+    ev[1].record()
+    t0 = time.perf_counter()
+    call()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    ev[2].record()
+    torch.cuda.synchronize()
+    return ev[1].elapsed_time(ev[2]), host_ms, ev[0].elapsed_time(ev[1])
+
+
 def guarded(row, body):
     """Run body(row), which fills in a row's numbers, on a GPU with nothing left queued or cached
     from the row before; a failure leaves the row its status and why (oom, declined or error) and
@@ -326,7 +353,7 @@ def guarded(row, body):
         row.update(oom=False, status="declined" if declined else "error",
                    msg=f"{type(exc).__name__}: {exc}"[:500])
     if row.get("status", "ok") != "ok":
-        for k in [k for k in row if k.endswith(("_ms", "_min", "_gib")) or k == "ratio_median"]:
+        for k in [k for k in row if k.endswith(("_ms", "_min", "_gib", "ratio_median"))]:
             del row[k]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -361,17 +388,24 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
 
 
 def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=None,
-                 peer_name="FlashMLA"):
+                 peer_name="FlashMLA", primed_timer=None):
     """Two forward calls timed call by call in turns (ours first on even reps, the peer first on
     odd ones), so that both see the same clocks and the same neighbours: a ratio taken this way
     does not move with the GPU's warming between two rows. make_pair() gives (ours, peer, check):
     ours and peer run one call each, check() what the row adds after the timed calls. The row's
     fwd_ms is ours (median and min), peer_fwd_ms the peer's, ratio_median the median of the
     per-rep ratios ours / peer; peer_name names the peer in the table. timer(call) -> ms (one
-    timed call; CUDA events by default)."""
+    timed call; CUDA events by default). Each call starts on an idle GPU, so those times include
+    the host's enqueueing (Python, the hook, the launches): as a call at the head of an empty
+    queue pays it. The same number of pairs is then timed with the queue primed
+    (primed_timer(call) -> (GPU ms, host ms, sleep ms), timed_primed by default): gpu_fwd_ms,
+    peer_gpu_fwd_ms and gpu_ratio_median are the GPU's time alone, as in a training step whose
+    host runs ahead, and host_ms / peer_host_ms what each call held the host (medians);
+    primed_ok says every rep's host time was below its sleep."""
     import torch
 
     timer = timer or (lambda call: timed(call, 1)[0])
+    primed_timer = primed_timer or timed_primed
 
     def body(row):
         ours, peer, check = make_pair()
@@ -388,7 +422,17 @@ def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=
                 a.append(timer(ours))
         row.update(fwd_ms=statistics.median(a), fwd_ms_min=min(a), peer_fwd_ms=statistics.median(b),
                    peer_fwd_ms_min=min(b), ratio_median=statistics.median(x / y for x, y in zip(a, b)),
-                   pair_reps=reps, peer=peer_name, oom=False, status="ok")
+                   pair_reps=reps, peer=peer_name)
+        pa, pb = [], []
+        for rep in range(reps):
+            for who in ((ours, pa), (peer, pb)) if rep % 2 == 0 else ((peer, pb), (ours, pa)):
+                who[1].append(primed_timer(who[0]))
+        row.update(gpu_fwd_ms=statistics.median(t[0] for t in pa),
+                   peer_gpu_fwd_ms=statistics.median(t[0] for t in pb),
+                   gpu_ratio_median=statistics.median(x[0] / y[0] for x, y in zip(pa, pb)),
+                   host_ms=statistics.median(t[1] for t in pa),
+                   peer_host_ms=statistics.median(t[1] for t in pb),
+                   primed_ok=all(t[1] < t[2] for t in pa + pb), oom=False, status="ok")
         extra = check()
         if extra:
             row.update(extra)
@@ -830,6 +874,11 @@ def write_table(rows, notes, path):
             peer = r.get("peer", "FlashMLA")  # rows measured before the field was written
             note.append(f"in turns with {peer} {r['peer_fwd_ms']:.2f} ms: ours / {peer} "
                         f"{r['ratio_median']:.3f} (median of {r['pair_reps']} pairs' ratios)")
+        if "gpu_ratio_median" in r:
+            note.append(f"queue primed, GPU time alone: {r['gpu_fwd_ms']:.2f} / "
+                        f"{r['peer_gpu_fwd_ms']:.2f} ms, ours / {peer} {r['gpu_ratio_median']:.3f}"
+                        f"{'' if r['primed_ok'] else ' (the host outran the sleep)'}; host "
+                        f"{r['host_ms']:.2f} / {r['peer_host_ms']:.2f} ms a call")
         if "rel_l2_vs_flashmla" in r:
             note.append(f"rel L2 vs FlashMLA {r['rel_l2_vs_flashmla']:.1e}")
         if "rel_l2_vs_cta" in r:

@@ -138,23 +138,50 @@ def test_pair_times_ours_and_the_peer_in_turns(no_cuda_sync, tmp_path):
         clock[run.who] *= 1.1  # the GPU slows through the run: both calls alike
         return clock[run.who] * (0.9 if run.who == "ours" else 1.0)
 
+    def primed(run):  # (GPU ms, host ms, sleep ms): ours 0.8x the peer's GPU time, more host time
+        run()
+        return (8.0 if run.who == "ours" else 10.0), (0.3 if run.who == "ours" else 0.1), 10.0
+
     row = bench.measure_pair("native_fwd_vs_flashmla", 512, 32, 32768, 2051,
                              lambda: (call("ours"), call("peer"), lambda: {"rel_l2_vs_flashmla": 2e-5}),
-                             4, timer=timer)
-    # one untimed call each first, then ours first on even reps and the peer first on odd ones
-    assert order == ["ours", "peer", "ours", "peer", "peer", "ours", "ours", "peer", "peer", "ours"]
+                             4, timer=timer, primed_timer=primed)
+    # one untimed call each first, then ours first on even reps and the peer first on odd ones,
+    # on an idle GPU and then with the queue primed
+    turns = ["ours", "peer", "peer", "ours", "ours", "peer", "peer", "ours"]
+    assert order == ["ours", "peer"] + turns + turns
     assert row["status"] == "ok" and row["pair_reps"] == 4
     assert math.isclose(row["ratio_median"], 0.9)
     assert math.isclose(row["fwd_ms"], 0.9 * 10 * (1.1 ** 2 + 1.1 ** 3) / 2)
     assert math.isclose(row["peer_fwd_ms"], 10 * (1.1 ** 2 + 1.1 ** 3) / 2)
     assert math.isclose(row["fwd_ms_min"], 0.9 * 11.0) and math.isclose(row["peer_fwd_ms_min"], 11.0)
     assert row["rel_l2_vs_flashmla"] == 2e-5
+    assert math.isclose(row["gpu_ratio_median"], 0.8) and row["gpu_fwd_ms"] == 8.0
+    assert row["peer_gpu_fwd_ms"] == 10.0 and row["host_ms"] == 0.3 and row["peer_host_ms"] == 0.1
+    assert row["primed_ok"] is True
     path = tmp_path / "t.md"
     bench.write_table([row], [], path)
     text = path.read_text()
     assert f"| native_fwd_vs_flashmla | 512 | 2051 | 32 | 32768 |  | {row['fwd_ms']:.2f} |" in text
     assert (f"in turns with FlashMLA {row['peer_fwd_ms']:.2f} ms: ours / FlashMLA 0.900 (median of 4 "
-            "pairs' ratios); rel L2 vs FlashMLA 2.0e-05") in text
+            "pairs' ratios); queue primed, GPU time alone: 8.00 / 10.00 ms, ours / FlashMLA 0.800; "
+            "host 0.30 / 0.10 ms a call; rel L2 vs FlashMLA 2.0e-05") in text
+
+
+def test_pair_primed_flags_a_host_that_outran_the_sleep(no_cuda_sync, tmp_path):
+    """A call that syncs the host (or a sleep too short) leaves the GPU waiting for the host in
+    the primed timing too: the row says so instead of passing it off as the GPU's time."""
+    import bench
+
+    def make():
+        return (lambda: None), (lambda: None), dict
+
+    primed = iter([(9.0, 0.2, 10.0), (10.0, 0.1, 10.0), (10.0, 0.1, 10.0), (9.5, 12.0, 10.0)])
+    row = bench.measure_pair("native_fwd_vs_flashmla", 512, 64, 32768, 2051, make, 2,
+                             timer=lambda run: 1.0, primed_timer=lambda run: next(primed))
+    assert row["status"] == "ok" and row["primed_ok"] is False
+    path = tmp_path / "t.md"
+    bench.write_table([row], [], path)
+    assert "(the host outran the sleep)" in path.read_text()
 
 
 def test_pair_names_its_peer_in_the_table(no_cuda_sync, tmp_path):
@@ -167,7 +194,8 @@ def test_pair_names_its_peer_in_the_table(no_cuda_sync, tmp_path):
 
     times = iter([9.0, 10.0, 10.0, 9.5, 9.0, 12.0])
     row = bench.measure_pair("native_fwd_vs_cta_beside_gemm", 512, 64, 32768, 2051, make, 3,
-                             timer=lambda run: next(times), peer_name="CTA a query")
+                             timer=lambda run: next(times), peer_name="CTA a query",
+                             primed_timer=lambda run: (1.0, 0.1, 10.0))
     assert row["peer"] == "CTA a query" and row["rel_l2_vs_cta"] == 0.0
     # reps: (ours 9, peer 10), (peer 10, ours 9.5), (ours 9, peer 12)
     assert math.isclose(row["ratio_median"], 0.9)
@@ -177,7 +205,8 @@ def test_pair_names_its_peer_in_the_table(no_cuda_sync, tmp_path):
     bench.write_table([row, old], [], path)
     text = path.read_text()
     assert ("in turns with CTA a query 10.00 ms: ours / CTA a query 0.900 (median of 3 pairs' "
-            "ratios); rel L2 vs CTA a query 0.0e+00") in text
+            "ratios); queue primed, GPU time alone: 1.00 / 1.00 ms, ours / CTA a query 1.000; "
+            "host 0.10 / 0.10 ms a call; rel L2 vs CTA a query 0.0e+00") in text
     assert "in turns with FlashMLA 10.00 ms: ours / FlashMLA 0.900" in text
 
 
@@ -192,7 +221,7 @@ def test_pair_that_fails_records_why_and_no_number(no_cuda_sync):
     row = bench.measure_pair("native_fwd_vs_flashmla", 512, 64, 32768, 2051, make, 3,
                              timer=lambda run: run() or 1.0)
     assert row["status"] == "error" and "no kernel for this shape" in row["msg"]
-    assert not [k for k in row if k.endswith("_ms") or k.endswith("_min") or k == "ratio_median"]
+    assert not [k for k in row if k.endswith(("_ms", "_min", "ratio_median"))]
 
 
 @pytest.mark.parametrize("exc, status", [(RuntimeError("boom"), "error"),
