@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -448,3 +449,29 @@ def test_fwd_variants_name_series_options():
         for field, patch, value in sets:
             assert f"{field}: bool = " in series[patch], (name, field, patch)
             assert f"{field}: bool = {not value}" in series[patch], (name, "not a change", value)
+
+
+def test_host_profile_writes_a_calls_host_time_and_both_profiles(no_cuda_sync, monkeypatch):
+    """bench/host_profile.py (run on a GPU host): its report for one call gives the median host
+    ms, cProfile's functions (the call's own among them) and torch.profiler's operations; here on
+    CPU with the GPU's sleep stubbed."""
+    import io
+
+    import host_profile
+
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    x = torch.randn(64, 64)
+    ran = []
+
+    def call():
+        ran.append(1)
+        return x @ x
+
+    sink = io.StringIO()
+    host_profile.profile("matmul on the CPU", call, 5, sink)
+    text = sink.getvalue()
+    assert len(ran) == 1 + 3 * 5  # a warm-up call, then each of the three timings' 5 calls
+    ms = float(re.search(r"## matmul on the CPU: host ([0-9.]+) ms a call \(median of 5", text)[1])
+    assert 0 < ms < 1000
+    assert "### cProfile, 5 calls, by own time" in text and "(call)" in text
+    assert "### torch.profiler, 5 calls, by self CPU time" in text and "aten::mm" in text
