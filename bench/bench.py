@@ -425,8 +425,9 @@ def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=
                    pair_reps=reps, peer=peer_name)
         pa, pb = [], []
         for rep in range(reps):
-            for who in ((ours, pa), (peer, pb)) if rep % 2 == 0 else ((peer, pb), (ours, pa)):
-                who[1].append(primed_timer(who[0]))
+            turn = [(ours, pa), (peer, pb)]
+            for call, sink in turn if rep % 2 == 0 else turn[::-1]:
+                sink.append(primed_timer(call))
         row.update(gpu_fwd_ms=statistics.median(t[0] for t in pa),
                    peer_gpu_fwd_ms=statistics.median(t[0] for t in pb),
                    gpu_ratio_median=statistics.median(x[0] / y[0] for x, y in zip(pa, pb)),
