@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# gpu_run.sh "JOB..." OUTDIR, JOB = tests|bench|all|sanitize|upstream|variants|fwd: on a CUDA host, run the
+# gpu_run.sh "JOB..." OUTDIR, JOB = tests|bench|all|sanitize|upstream|variants|fwd|host: on a CUDA host, run the
 # GPU tests and/or the benchmark (sanitize: compute-sanitizer memcheck/synccheck/racecheck on
 # bench/sanitize_*.py; upstream: Megatron-LM's own DSA tests carried in .upt/; variants:
-# bench/bwd_variants.py, the backward kernel A/B; fwd: bench/fwd_variants.py, the forward kernel A/B) against
+# bench/bwd_variants.py, the backward kernel A/B; fwd: bench/fwd_variants.py, the forward kernel A/B;
+# host: bench/host_profile.py, where the host's time a forward call goes) against
 # the built wheel (dist/*.whl), installed with its patches into a scratch site folder (no deps: the
 # host's torch). TileLang comes from the environment or from .site/tilelang-site.tar.xz
 # (scripts/pack_tilelang_site.sh makes it); flash_mla (benchmark peer, optional) from .whl/;
@@ -80,6 +81,11 @@ fi
 if has fwd; then
   timeout "${FWD_TIMEOUT:-200}" "$py" bench/fwd_variants.py --out "$out" ${FWD_ARGS:-} 2>&1 | tee "$out/fwd-variants.log" || failed fwd
   summary="$summary; fwd variants: $(wc -l <"$out/fwd-variants.jsonl" 2>/dev/null || echo 0) rows"
+fi
+if has host; then
+  # where the host's time a forward call goes (HOST_ARGS: e.g. --heads 16 64 --calls 30)
+  timeout "${HOST_TIMEOUT:-200}" "$py" bench/host_profile.py --out "$out" ${HOST_ARGS:-} >"$out/host-profile.log" 2>&1 || failed host
+  summary="$summary; host profile: $(grep -c '^## ' "$out/host-profile.txt" 2>/dev/null || echo 0) calls profiled"
 fi
 if has tests; then
   # the tests are many small launches: spread them over processes sharing the GPU (pytest-xdist

@@ -19,6 +19,7 @@ case "$args" in
   *bench/precompile.py*) [ -z "${PRECOMPILE_LOG:-}" ] || echo "$args" >>"$PRECOMPILE_LOG"; fail precompile ;;
   *bench/bwd_variants.py*) fail variants ;;
   *bench/fwd_variants.py*) fail fwd ;;
+  *bench/host_profile.py*) fail host ;;
   *bench/bench.py*) fail bench ;;
   *"-m pytest tests/gpu"*)
     # one [argument] each, so that quoting shows
@@ -57,7 +58,7 @@ def run(tmp_path, jobs, fail="", **env_extra):
                           env=env, cwd=ROOT, capture_output=True, text=True)
 
 
-ALL = "tests variants fwd bench sanitize"
+ALL = "tests variants fwd host bench sanitize"
 
 
 def test_all_jobs_passing_exit_0(tmp_path):
@@ -66,7 +67,7 @@ def test_all_jobs_passing_exit_0(tmp_path):
     assert "FAILED" not in proc.stdout
 
 
-@pytest.mark.parametrize("job", ["tests", "variants", "fwd", "bench", "sanitize"])
+@pytest.mark.parametrize("job", ["tests", "variants", "fwd", "host", "bench", "sanitize"])
 def test_any_failed_job_fails_the_command(tmp_path, job):
     proc = run(tmp_path, ALL, fail=job)
     assert proc.returncode != 0, proc.stdout[-2000:]
