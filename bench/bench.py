@@ -407,27 +407,25 @@ def measure_pair(name, width, heads, seqlen, topk_width, make_pair, reps, timer=
     timer = timer or (lambda call: timed(call, 1)[0])
     primed_timer = primed_timer or timed_primed
 
+    def in_turns(ours, peer, time_one):
+        """reps timings of each call, ours first on even reps and the peer first on odd ones."""
+        a, b = [], []
+        for rep in range(reps):
+            turn = [(ours, a), (peer, b)]
+            for call, sink in turn if rep % 2 == 0 else turn[::-1]:
+                sink.append(time_one(call))
+        return a, b
+
     def body(row):
         ours, peer, check = make_pair()
         ours()
         peer()
         torch.cuda.synchronize()
-        a, b = [], []
-        for rep in range(reps):
-            if rep % 2 == 0:
-                a.append(timer(ours))
-                b.append(timer(peer))
-            else:
-                b.append(timer(peer))
-                a.append(timer(ours))
+        a, b = in_turns(ours, peer, timer)
         row.update(fwd_ms=statistics.median(a), fwd_ms_min=min(a), peer_fwd_ms=statistics.median(b),
                    peer_fwd_ms_min=min(b), ratio_median=statistics.median(x / y for x, y in zip(a, b)),
                    pair_reps=reps, peer=peer_name)
-        pa, pb = [], []
-        for rep in range(reps):
-            turn = [(ours, pa), (peer, pb)]
-            for call, sink in turn if rep % 2 == 0 else turn[::-1]:
-                sink.append(primed_timer(call))
+        pa, pb = in_turns(ours, peer, primed_timer)
         row.update(gpu_fwd_ms=statistics.median(t[0] for t in pa),
                    peer_gpu_fwd_ms=statistics.median(t[0] for t in pb),
                    gpu_ratio_median=statistics.median(x[0] / y[0] for x, y in zip(pa, pb)),
@@ -871,8 +869,8 @@ def write_table(rows, notes, path):
               if f"rel_l2_{t}_vs_native" in r]
         if vs:
             note.append("rel L2 vs native: " + ", ".join(vs))
+        peer = r.get("peer", "FlashMLA")  # pair rows measured before the field was written
         if "ratio_median" in r:
-            peer = r.get("peer", "FlashMLA")  # rows measured before the field was written
             note.append(f"in turns with {peer} {r['peer_fwd_ms']:.2f} ms: ours / {peer} "
                         f"{r['ratio_median']:.3f} (median of {r['pair_reps']} pairs' ratios)")
         if "gpu_ratio_median" in r:
