@@ -16,8 +16,7 @@ off; the series' options one at a time off: ws64_frag the output stored from the
 fragment, 4 bytes a thread (0154 off), ws64_cta a CTA a query (0160), ws64_exp2f / ws_exp2f exp2f
 (0161), ws64_gmask -1 entries masked from global memory before the score GEMMs (0162), ws64_fixed
 fixed shares of the queries (0163), ws64_qstage the output staged in the Q buffer (0164);
-ws64_plain all of 0160-0164 off; ws64_pf / ws64_fixed_pf: wip/0170's next query prefetched into L2,
-with the counter / with fixed shares, with WIP_PATCHES), flashmla. Writes
+ws64_plain all of 0160-0164 off), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -63,9 +62,6 @@ VARIANTS = {
     "ws64_fixed": (False, {}),  # 0163: fixed shares of the queries instead of a counter
     "ws64_qstage": (False, {}),  # 0164: the output staged in the Q buffer (0154's)
     "ws64_plain": (False, {}),
-    # wip/0170 (NativeKernelOptions.fwd_ws64_prefetch_next): the next query into L2 ahead of time
-    "ws64_pf": (False, {}),
-    "ws64_fixed_pf": (False, {}),  # the same with fixed shares (0163 off)
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
 # the variants that set the series' own options away from their defaults: (field, patch, value)
@@ -83,13 +79,6 @@ SERIES_OPTIONS = {
     "ws64_fixed": (_NO_DYNAMIC,),
     "ws64_qstage": (_NO_STAGE_OUT,),
     "ws64_plain": (_NO_PERSIST, _NO_FAST_EXP2, _NO_SHARED_MASK, _NO_DYNAMIC, _NO_STAGE_OUT),
-    "ws64_fixed_pf": (_NO_DYNAMIC,),
-}
-# the variants that need a wip draft applied (WIP_PATCHES=): (field, draft, value)
-_PREFETCH_NEXT = ("fwd_ws64_prefetch_next", "0170-fwd-ws64-prefetch-next.patch", True)
-DRAFT_OPTIONS = {
-    "ws64_pf": (_PREFETCH_NEXT,),
-    "ws64_fixed_pf": (_PREFETCH_NEXT,),
 }
 
 
@@ -125,10 +114,6 @@ def call(fwd_mod, name, q, kv, idx):
     for field, patch, value in SERIES_OPTIONS.get(name, ()):
         if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
             raise RuntimeError(f"{name} needs patch {patch} (NativeKernelOptions.{field})")
-        opts[field] = value
-    for field, draft, value in DRAFT_OPTIONS.get(name, ()):
-        if field not in tilelang_utils.NativeKernelOptions.__dataclass_fields__:
-            raise RuntimeError(f"{name} needs wip/{draft} (WIP_PATCHES=)")
         opts[field] = value
     with override_native_kernel_options(**opts):
         return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE, **kw)

@@ -437,19 +437,6 @@ def test_fresh_process_check_compares_each_deterministic_row_with_a_new_process(
     assert not any(c.startswith("--ab") for c in calls[0])
 
 
-def test_fwd_variants_name_their_drafts():
-    """bench/fwd_variants.py's variants that need a wip draft are variants, and name a draft file
-    in wip/ that adds the option with a default other than the variant's value."""
-    import fwd_variants
-
-    assert fwd_variants.DRAFT_OPTIONS
-    for name, sets in fwd_variants.DRAFT_OPTIONS.items():
-        assert name in fwd_variants.VARIANTS, name
-        for field, draft, value in sets:
-            text = (ROOT / "wip" / draft).read_text()
-            assert f"+    {field}: bool = {not value}" in text, (name, field, draft)
-
-
 def test_fwd_variants_name_series_options():
     """bench/fwd_variants.py's variants that set a series option are variants, and name the patch
     that adds the option and a value other than its default (a renamed or dropped option fails

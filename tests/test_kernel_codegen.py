@@ -493,11 +493,6 @@ _WS64_BUILDS = {
         **fwd_ws64_route_kwargs(), "ctas": 0, "dynamic": False, "stage_out": False}),
     "bwd_ws64": lambda sm90: _bwd_ws64_route_sm90a(sm90, 64),
     "bwd_ws64_h8": lambda sm90: _bwd_ws64_route_sm90a(sm90, 8),
-    # wip/0170: the next query prefetched into L2, on the route's persistent form
-    "fwd_ws64_pf": lambda sm90: _ws64_fwd_sm90a(sm90, 64, **{
-        **fwd_ws64_route_kwargs(), "prefetch_next": True}),
-    "fwd_ws64_pf_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, **{
-        **fwd_ws64_route_kwargs(), "prefetch_next": True}),
 }
 
 
@@ -506,9 +501,7 @@ _WS64_BUILDS = {
 @needs("0113")
 @pytest.mark.parametrize("kind", ["fwd_ws64", "fwd_ws64_h32", pytest.param(
     "fwd_ws64_cta", marks=needs("0160")), "bwd_ws64", pytest.param(
-    "bwd_ws64_h8", marks=needs("0153"))] + [pytest.param(
-        kind, marks=needs_draft("wip/0170", "fwd_ws64_prefetch_next"))
-        for kind in ("fwd_ws64_pf", "fwd_ws64_pf_h32")])
+    "bwd_ws64_h8", marks=needs("0153"))])
 def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     """ptxas serializes every wgmma of a kernel (its warning C7514) when a non-wgmma
     instruction touches the accumulator of one still in flight, for instance one left in flight

@@ -273,13 +273,3 @@ def test_wip_stack_applies_on_the_series(pristine, tmp_path):
     tree = _series_tree(pristine, tmp_path / "t")
     for name in _wip_list("STACK"):
         _apply_draft(tree, name)
-
-
-def test_wip_alone_drafts_apply_on_the_series(pristine, tmp_path):
-    """The drafts wip/ALONE lists (each applied with WIP_PATCHES on its own, not in the stack:
-    they change what stacked drafts change) apply each alone on the series."""
-    series_tree = _series_tree(pristine, tmp_path / "series")
-    for name in _wip_list("ALONE"):
-        tree = tmp_path / name
-        shutil.copytree(series_tree, tree, symlinks=True)
-        _apply_draft(tree, name)

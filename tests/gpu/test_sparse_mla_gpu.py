@@ -444,24 +444,6 @@ def test_native_fwd_ws64_option_keeps_the_default_bitwise(monkeypatch, heads, to
     forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **option)
 
 
-# wip/0170 (issue #18), in runs that apply it with WIP_PATCHES: the persistent 64-row forward
-# finds its next query a query ahead (from the counter, or its fixed share) and prefetches its Q
-# and first indices into L2. Only when and where the data comes from change: against the FP32
-# reference, and out and dq bitwise the default's (300 queries: each CTA takes two or three, so
-# the early take and the handover run), with the counter and with fixed shares.
-@needs_draft("wip/0170", "fwd_ws64_prefetch_next")
-@pytest.mark.parametrize("dynamic", [True, False])
-@pytest.mark.parametrize("topk", [65, 2051])
-@pytest.mark.parametrize("heads", [32, 64])
-def test_native_fwd_ws64_prefetch_next_is_the_default_bitwise(monkeypatch, heads, topk, dynamic):
-    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
-    form = {"fwd_ws64_persistent": True, "fwd_ws64_dynamic": dynamic}
-    native_backward_matches_fp32_reference(monkeypatch, heads, topk, heads + topk + 67, 17,
-                                           fwd_ws64_prefetch_next=True, **form, **phase_off())
-    forward_option_is_the_default_bitwise(heads, topk, heads + topk + 5, 9,
-                                          fwd_ws64_prefetch_next=True, fwd_ws64_dynamic=dynamic)
-
-
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
 # its dQ GEMM under the block's first dKV GEMMs and frees the KV buffer after it, with no proxy
 # fence of its own. Each WG0 chunk split (0, 2 and 3: 3 gives WG1 an odd first chunk, done on its
