@@ -29,17 +29,27 @@ import bench  # noqa: E402  (the same hook, config and inputs as the benchmark's
 SLEEP_CYCLES = 200_000_000  # about 0.1 s of GPU sleep: longer than any batch of calls below
 
 
-def host_ms(call, calls):
-    """Median host ms of `calls` calls, each enqueued behind the GPU's sleep."""
+def behind_sleep(run):
+    """run() with the GPU kept busy by a sleep queued ahead of it, so that nothing run enqueues
+    waits on the GPU; then the queue drained."""
     import torch
 
-    times = []
     torch.cuda._sleep(SLEEP_CYCLES)
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
+    run()
     torch.cuda.synchronize()
+
+
+def host_ms(call, calls):
+    """Median host ms of `calls` calls, each enqueued behind the GPU's sleep."""
+    times = []
+
+    def timed_calls():
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e3)
+
+    behind_sleep(timed_calls)
     return statistics.median(times)
 
 
@@ -48,25 +58,22 @@ def profile(name, call, calls, sink):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    def batch():
+        for _ in range(calls):
+            call()
+
     call()
     torch.cuda.synchronize()
     ms = host_ms(call, calls)
     sink.write(f"\n## {name}: host {ms:.3f} ms a call (median of {calls}, GPU busy ahead)\n")
     pr = cProfile.Profile()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    pr.enable()
-    for _ in range(calls):
-        call()
-    pr.disable()
-    torch.cuda.synchronize()
+    behind_sleep(lambda: pr.runcall(batch))
     text = io.StringIO()
     pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
     sink.write(f"\n### cProfile, {calls} calls, by own time\n\n{text.getvalue()}\n")
+    # (the queue drained inside: the profiler sees the kernels too)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
+        behind_sleep(batch)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     sink.write(f"### torch.profiler, {calls} calls, by self CPU time\n\n{table}\n")
     sink.flush()
