@@ -179,6 +179,24 @@ def provenance():
     return info
 
 
+class RowSink:
+    """A JSON-lines file that takes a script's rows one by one as they finish, each printed and
+    written with the run's provenance, so a run cut short keeps the rows it finished."""
+
+    def __init__(self, path, mode="w"):
+        self.file = open(path, mode)
+        self.prov = provenance()
+
+    def __call__(self, row):
+        line = json.dumps(dict(row, provenance=self.prov))
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
 def has_native():
     _, _, tilelang_dsa, _ = megatron()
 

@@ -57,7 +57,6 @@ Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
 import inspect
-import json
 import os
 import pathlib
 import statistics
@@ -303,7 +302,7 @@ def main():
 
     import torch
 
-    from bench import provenance, timed  # bench/bench.py (this script's folder is on sys.path)
+    from bench import RowSink, timed  # bench/bench.py (this script's folder is on sys.path)
     from sparse_ref import kpool_indices, rel_l2
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_bwd as bwd_mod,
@@ -323,15 +322,7 @@ def main():
     idx_2080 = torch.nn.functional.pad(idx, (0, 2080 - TOPK), value=-1).contiguous()
     idx_2112 = torch.nn.functional.pad(idx, (0, 2112 - TOPK), value=-1).contiguous()
     rows = []
-    sink = open(out_dir / "bwd-variants.jsonl", "w")  # one line per variant as it finishes
-
-    prov = provenance()  # the wheel, its patches, the GPU, the revision, the date
-
-    def emit(row):
-        row = dict(row, provenance=prov)
-        print(json.dumps(row), flush=True)
-        sink.write(json.dumps(row) + "\n")
-        sink.flush()
+    emit = RowSink(out_dir / "bwd-variants.jsonl")  # one line per variant as it finishes
 
     for heads in args.heads:
         q = (torch.randn(1, s, heads, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
@@ -400,7 +391,7 @@ def main():
             del dq, dkv, got
         del q, kv, do, out, lse, delta, q576, kv576
         torch.cuda.empty_cache()
-    sink.close()
+    emit.close()
 
 
 if __name__ == "__main__":

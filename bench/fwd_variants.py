@@ -21,7 +21,6 @@ DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -170,27 +169,19 @@ def main():
 
     import torch
 
-    from bench import provenance, FlashMLAFwd, flash_mla, timed
+    from bench import FlashMLAFwd, RowSink, flash_mla, timed
     from sparse_ref import kpool_indices, rel_l2, sparse_attention_reference
     from megatron.core.transformer.experimental_attention_variant.ops import (
         tilelang_sparse_mla_fwd as fwd_mod,
     )
 
     fm, fm_reason = flash_mla()
-    sink = open(out_dir / "fwd-variants.jsonl", "a")
+    emit = RowSink(out_dir / "fwd-variants.jsonl", "a")
 
     def time_into(row, fn):
         times = timed(fn, args.reps)
         row["fwd_ms"] = statistics.median(times)
         row["fwd_ms_min"] = min(times)
-
-    prov = provenance()  # the wheel, its patches, the GPU, the revision, the date
-
-    def emit(row):
-        row = dict(row, provenance=prov)
-        print(json.dumps(row), flush=True)
-        sink.write(json.dumps(row) + "\n")
-        sink.flush()
 
     dev = "cuda"
     for s in args.seqlen:
@@ -270,7 +261,7 @@ def main():
                 del out, lse
             del q, kv, ref
             torch.cuda.empty_cache()
-    sink.close()
+    emit.close()
 
 
 if __name__ == "__main__":

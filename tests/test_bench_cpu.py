@@ -475,3 +475,24 @@ def test_host_profile_writes_a_calls_host_time_and_both_profiles(no_cuda_sync, m
     assert 0 < ms < 1000
     assert "### cProfile, 5 calls, by own time" in text and "(call)" in text
     assert "### torch.profiler, 5 calls, by self CPU time" in text and "aten::mm" in text
+
+
+def test_row_sink_keeps_each_row_as_it_finishes_with_the_runs_provenance(tmp_path, monkeypatch):
+    """The variant scripts' rows reach the file one by one (a run cut short by its time limit keeps
+    the rows it finished), each with the same provenance; mode "a" adds to an earlier run's file."""
+    import bench
+
+    monkeypatch.setattr(bench, "provenance", lambda: dict(label="glm53nope.x"))
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"old": 1}\n')
+    emit = bench.RowSink(path, "a")
+    emit(dict(variant="a", ms=1.0))
+    # read before close: the row is already on disk
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"old": 1}, dict(variant="a", ms=1.0, provenance=dict(label="glm53nope.x"))]
+    emit(dict(variant="b"))
+    emit.close()
+    emit = bench.RowSink(path)  # "w": a new run's file
+    emit(dict(variant="c"))
+    emit.close()
+    assert [json.loads(line)["variant"] for line in path.read_text().splitlines()] == ["c"]
