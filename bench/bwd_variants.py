@@ -191,15 +191,19 @@ L2_HINTS = {
 }
 
 
-def variants(heads):
+def set_variants(heads):
+    """Every variant of the selected --set at this head count."""
     if VARIANT_SETS.get("set") == "probes":
-        v = probe_variants(heads)
-    elif VARIANT_SETS.get("set") == "chunks":
-        v = chunk_variants(heads)
-    else:
-        v = schedule_variants(heads)
+        return probe_variants(heads)
+    if VARIANT_SETS.get("set") == "chunks":
+        return chunk_variants(heads)
+    return schedule_variants(heads)
+
+
+def variants(heads):
+    """The variants to run at this head count: the set's, or those of them --only names."""
     only = VARIANT_SETS.get("only")
-    return {n: c for n, c in v.items() if not only or n in only}
+    return {n: c for n, c in set_variants(heads).items() if not only or n in only}
 
 
 def schedule_variants(heads):
@@ -290,6 +294,13 @@ def main():
     VARIANT_SETS["set"] = args.set
     VARIANT_SETS["only"] = args.only
     VARIANT_SETS["block_phase_ns"] = args.block_phase_ns
+    if args.only:
+        # a name no head count of this set has would leave nothing to run: say so, with the names
+        known = {n for h in args.heads for n in set_variants(h)}
+        missing = sorted(set(args.only) - known)
+        if missing:
+            ap.error(f"--only {' '.join(missing)}: no such variant in --set {args.set} at heads "
+                     f"{' '.join(map(str, args.heads))} (there: {' '.join(sorted(known))})")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.build_only:

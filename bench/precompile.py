@@ -75,8 +75,10 @@ def compile_in_processes(fn, jobs, timeout=None):
     folders into TileLang's cache. With a timeout (seconds, all jobs together) the jobs still
     running then are reported and killed: a kernel that hangs on the GPU costs that, not the
     whole run. Returns the number of processes and the jobs (as given) that did not finish."""
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="tl-precompile-"))
     given = [tuple(job) for job in jobs]
+    if not given:  # nothing to compile (a pool of no processes is an error)
+        return 0, []
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="tl-precompile-"))
     jobs = [job + (str(tmp / f"c{i}"),) for i, job in enumerate(given)]
     procs = min(len(jobs), max(1, (os.cpu_count() or 2) - 2))
     deadline = None if timeout is None else time.monotonic() + timeout

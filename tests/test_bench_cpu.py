@@ -496,3 +496,25 @@ def test_row_sink_keeps_each_row_as_it_finishes_with_the_runs_provenance(tmp_pat
     emit(dict(variant="c"))
     emit.close()
     assert [json.loads(line)["variant"] for line in path.read_text().splitlines()] == ["c"]
+
+
+def test_bwd_variants_only_names_a_variant_of_the_set_or_stops_with_the_names(monkeypatch, tmp_path, capsys):
+    """bench/bwd_variants.py --only with a name the --set has at none of the --heads stops before
+    compiling anything, naming the set's variants (it once reached a pool of no processes, whose
+    error said nothing of the cause); an empty compile list is no error for the pool helper."""
+    import bwd_variants
+    import precompile
+
+    monkeypatch.setattr(bwd_variants, "VARIANT_SETS", {})
+    monkeypatch.setattr(sys, "argv", ["bwd_variants.py", "--out", str(tmp_path / "o"), "--heads",
+                                      "16", "--only", "native_static", "native_ws64_s2_w2"])
+    monkeypatch.setattr(bwd_variants, "compile_in_processes",
+                        lambda *a, **k: pytest.fail("compiled with a variant that does not exist"))
+    with pytest.raises(SystemExit) as exc:
+        bwd_variants.main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--only native_ws64_s2_w2: no such variant in --set schedule at heads 16" in err
+    assert "native_static" in err.split("there:")[1]
+    assert not (tmp_path / "o").exists()
+    assert precompile.compile_in_processes(lambda job: pytest.fail("ran a job"), []) == (0, [])
