@@ -74,7 +74,9 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 call by call in turns (--pair-reps pairs, as native_fwd_vs_flashmla), each call
                 with its own GEMMs enqueued beside it: issue #18's guard as one ratio (the
                 beside-GEMM rows taken apart move between rounds more than the two forms
-                differ); outputs compared (rel_l2_vs_cta)
+                differ); outputs compared (rel_l2_vs_cta). native_fwd_2waves_vs_cta_beside_gemm
+                and native_fwd_fixed_vs_cta_beside_gemm: the same for the two-wave and the
+                fixed-share forms (32/64 heads; only when --rows names them)
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
@@ -314,6 +316,28 @@ def gemm_beside(count=24, size=8192):
                 torch.matmul(a, b, out=c)
 
     return launch
+
+
+def beside_gemm_ways(field, has_dynamic):
+    """The forms of the forward the beside-GEMM rows time, as (row name, NativeKernelOptions):
+    persistent (field, the persistent option of the route at these heads) and a CTA a query; for
+    0160's 64-row form also two CTAs an SM (two waves) and, where 0163 is in the tree, each CTA
+    a fixed share of the queries instead of the next from a counter."""
+    ways = [("native_fwd_beside_gemm", {field: True}),
+            ("native_fwd_cta_beside_gemm", {field: False})]
+    if field == "fwd_ws64_persistent":
+        ways.append(("native_fwd_2waves_beside_gemm", {field: 2}))
+        if has_dynamic:
+            ways.append(("native_fwd_fixed_beside_gemm", {field: True, "fwd_ws64_dynamic": False}))
+    return ways
+
+
+def beside_gemm_pairs(ways, field):
+    """Each persistent way of beside_gemm_ways() timed in turns with a CTA a query, as (pair row
+    name, its options): native_fwd_vs_cta_beside_gemm (the defaults),
+    native_fwd_2waves_vs_cta_beside_gemm, native_fwd_fixed_vs_cta_beside_gemm."""
+    return [(name.replace("_beside_gemm", "_vs_cta_beside_gemm"), way)
+            for name, way in ways if way[field] is not False]
 
 
 def timed(call, reps):
@@ -758,25 +782,22 @@ def run(args):
             field = {16: "fwd_ws_persistent", 32: "fwd_ws64_persistent",
                      64: "fwd_ws64_persistent"}.get(heads)
             if field and L == 32768 and has_native_option(field):
-                ways = [("native_fwd_beside_gemm", {field: True}),
-                        ("native_fwd_cta_beside_gemm", {field: False})]
-                if field == "fwd_ws64_persistent":  # 0160: two CTAs an SM (two waves)
-                    ways.append(("native_fwd_2waves_beside_gemm", {field: 2}))
-                    if has_native_option("fwd_ws64_dynamic"):
-                        # A/B of 0163: each CTA a fixed share of the queries, not from a counter
-                        ways.append(("native_fwd_fixed_beside_gemm",
-                                     {field: True, "fwd_ws64_dynamic": False}))
+                ways = beside_gemm_ways(field, has_native_option("fwd_ws64_dynamic"))
                 for name, way in ways:
                     add(name, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
                         options=way), True)
-                if wanted("native_fwd_vs_cta_beside_gemm"):
+                for pair_name, way in beside_gemm_pairs(ways, field):
+                    # the other forms' pairs only when --rows names them (40 s or so each)
+                    default = pair_name == "native_fwd_vs_cta_beside_gemm"
+                    if not (wanted(pair_name) if default else pair_name in (args.rows or ())):
+                        continue
 
-                    def make_cta_pair():
+                    def make_cta_pair(way=way):
                         # each call enqueues its own GEMMs before it, as in the rows above
                         ours_call, cta_call = (fwd_bwd(
                             hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
-                            options={field: on})()[0] for on in (True, False))
+                            options=options)()[0] for options in (way, {field: False}))
 
                         def check():
                             got, cta = {}, {}
@@ -785,9 +806,8 @@ def run(args):
                             return {"rel_l2_vs_cta": rel_l2(got["out"], cta["out"])}
 
                         return ours_call, cta_call, check
-                    rows.append(measure_pair("native_fwd_vs_cta_beside_gemm", 512, heads, L, 2051,
-                                             make_cta_pair, args.pair_reps,
-                                             peer_name="CTA a query"))
+                    rows.append(measure_pair(pair_name, 512, heads, L, 2051, make_cta_pair,
+                                             args.pair_reps, peer_name="CTA a query"))
         if wanted("cudnn") or wanted("cudnn_fwd"):
             if cudnn_mod is None:
                 for name in ("cudnn", "cudnn_fwd"):

@@ -518,3 +518,25 @@ def test_bwd_variants_only_names_a_variant_of_the_set_or_stops_with_the_names(mo
     assert "native_static" in err.split("there:")[1]
     assert not (tmp_path / "o").exists()
     assert precompile.compile_in_processes(lambda job: pytest.fail("ran a job"), []) == (0, [])
+
+
+def test_beside_gemm_pairs_time_each_persistent_form_against_a_cta_a_query():
+    """Issue #18's guard in turns for every persistent form the beside-GEMM rows take apart: the
+    default, two CTAs an SM and (with 0163) the fixed shares at 32/64 heads; the CTA-a-query
+    form is the peer, never a pair of its own."""
+    import bench
+
+    field = "fwd_ws64_persistent"
+    ways = bench.beside_gemm_ways(field, has_dynamic=True)
+    assert dict(ways)["native_fwd_cta_beside_gemm"] == {field: False}
+    pairs = bench.beside_gemm_pairs(ways, field)
+    assert pairs == [("native_fwd_vs_cta_beside_gemm", {field: True}),
+                     ("native_fwd_2waves_vs_cta_beside_gemm", {field: 2}),
+                     ("native_fwd_fixed_vs_cta_beside_gemm",
+                      {field: True, "fwd_ws64_dynamic": False})]
+    assert [n for n, _ in bench.beside_gemm_pairs(bench.beside_gemm_ways(field, False), field)] == [
+        "native_fwd_vs_cta_beside_gemm", "native_fwd_2waves_vs_cta_beside_gemm"]
+    # 16 heads: 0070's persistent form against its CTA a query, nothing else
+    assert bench.beside_gemm_pairs(bench.beside_gemm_ways("fwd_ws_persistent", True),
+                                   "fwd_ws_persistent") == [
+        ("native_fwd_vs_cta_beside_gemm", {"fwd_ws_persistent": True})]
