@@ -332,12 +332,15 @@ def beside_gemm_ways(field, has_dynamic):
     return ways
 
 
-def beside_gemm_pairs(ways, field):
+def beside_gemm_pairs(ways, field, rows=None):
     """Each persistent way of beside_gemm_ways() timed in turns with a CTA a query, as (pair row
-    name, its options): native_fwd_vs_cta_beside_gemm (the defaults),
-    native_fwd_2waves_vs_cta_beside_gemm, native_fwd_fixed_vs_cta_beside_gemm."""
-    return [(name.replace("_beside_gemm", "_vs_cta_beside_gemm"), way)
-            for name, way in ways if way[field] is not False]
+    name, its options): native_fwd_vs_cta_beside_gemm (the defaults), and only where rows (the
+    --rows names) names them, since each takes 40 s or so, native_fwd_2waves_vs_cta_beside_gemm
+    and native_fwd_fixed_vs_cta_beside_gemm."""
+    pairs = [(name.replace("_beside_gemm", "_vs_cta_beside_gemm"), way)
+             for name, way in ways if way[field] is not False]
+    return [(name, way) for name, way in pairs
+            if name == "native_fwd_vs_cta_beside_gemm" or name in (rows or ())]
 
 
 def timed(call, reps):
@@ -787,10 +790,8 @@ def run(args):
                     add(name, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,
                         options=way), True)
-                for pair_name, way in beside_gemm_pairs(ways, field):
-                    # the other forms' pairs only when --rows names them (40 s or so each)
-                    default = pair_name == "native_fwd_vs_cta_beside_gemm"
-                    if not (wanted(pair_name) if default else pair_name in (args.rows or ())):
+                for pair_name, way in beside_gemm_pairs(ways, field, args.rows):
+                    if not wanted(pair_name):
                         continue
 
                     def make_cta_pair(way=way):

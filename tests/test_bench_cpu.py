@@ -529,14 +529,20 @@ def test_beside_gemm_pairs_time_each_persistent_form_against_a_cta_a_query():
     field = "fwd_ws64_persistent"
     ways = bench.beside_gemm_ways(field, has_dynamic=True)
     assert dict(ways)["native_fwd_cta_beside_gemm"] == {field: False}
-    pairs = bench.beside_gemm_pairs(ways, field)
+    extra = ["native_fwd_2waves_vs_cta_beside_gemm", "native_fwd_fixed_vs_cta_beside_gemm"]
+    pairs = bench.beside_gemm_pairs(ways, field, extra)
     assert pairs == [("native_fwd_vs_cta_beside_gemm", {field: True}),
                      ("native_fwd_2waves_vs_cta_beside_gemm", {field: 2}),
                      ("native_fwd_fixed_vs_cta_beside_gemm",
                       {field: True, "fwd_ws64_dynamic": False})]
-    assert [n for n, _ in bench.beside_gemm_pairs(bench.beside_gemm_ways(field, False), field)] == [
+    assert [n for n, _ in bench.beside_gemm_pairs(bench.beside_gemm_ways(field, False), field,
+                                                  extra)] == [
         "native_fwd_vs_cta_beside_gemm", "native_fwd_2waves_vs_cta_beside_gemm"]
+    # the other forms' pairs only where --rows names them (a whole run takes the default's alone)
+    for rows in (None, [], ["native_fwd_vs_cta_beside_gemm", "native_fwd"]):
+        assert bench.beside_gemm_pairs(ways, field, rows) == pairs[:1]
+    assert bench.beside_gemm_pairs(ways, field, extra[1:]) == pairs[:1] + pairs[2:]
     # 16 heads: 0070's persistent form against its CTA a query, nothing else
     assert bench.beside_gemm_pairs(bench.beside_gemm_ways("fwd_ws_persistent", True),
-                                   "fwd_ws_persistent") == [
+                                   "fwd_ws_persistent", extra) == [
         ("native_fwd_vs_cta_beside_gemm", {"fwd_ws_persistent": True})]
