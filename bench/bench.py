@@ -69,14 +69,17 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 at 32/64 heads the same with fwd_ws64_persistent True / False (0160),
                 native_fwd_2waves_beside_gemm with fwd_ws64_persistent=2 (two CTAs an SM)
                 and native_fwd_fixed_beside_gemm with fwd_ws64_dynamic=False (0163 off: each
-                CTA a fixed share of the queries instead of the next from a counter)
+                CTA a fixed share of the queries instead of the next from a counter); with
+                0166 native_fwd_fill_beside_gemm with fwd_ws64_counter_reset=False (a new
+                counter zeroed by a fill kernel before each call, 0163's way)
   native_fwd_vs_cta_beside_gemm  native_fwd_beside_gemm and native_fwd_cta_beside_gemm timed
                 call by call in turns (--pair-reps pairs, as native_fwd_vs_flashmla), each call
                 with its own GEMMs enqueued beside it: issue #18's guard as one ratio (the
                 beside-GEMM rows taken apart move between rounds more than the two forms
-                differ); outputs compared (rel_l2_vs_cta). native_fwd_2waves_vs_cta_beside_gemm
-                and native_fwd_fixed_vs_cta_beside_gemm: the same for the two-wave and the
-                fixed-share forms (32/64 heads; only when --rows names them)
+                differ); outputs compared (rel_l2_vs_cta). native_fwd_2waves_vs_cta_beside_gemm,
+                native_fwd_fixed_vs_cta_beside_gemm and native_fwd_fill_vs_cta_beside_gemm: the
+                same for the two-wave, fixed-share and filled-counter forms (32/64 heads; only
+                when --rows names them)
   flashmla_fwd  512/2051  FlashMLA's SM90 sparse prefill (sgl-flash-mla), forward only: heads padded
                 to 64 and top-k to a multiple of 128 with -1 before timing; output checked
                 against our padded path
@@ -318,25 +321,30 @@ def gemm_beside(count=24, size=8192):
     return launch
 
 
-def beside_gemm_ways(field, has_dynamic):
+def beside_gemm_ways(field, has_dynamic, has_counter_reset=False):
     """The forms of the forward the beside-GEMM rows time, as (row name, NativeKernelOptions):
     persistent (field, the persistent option of the route at these heads) and a CTA a query; for
     0160's 64-row form also two CTAs an SM (two waves) and, where 0163 is in the tree, each CTA
-    a fixed share of the queries instead of the next from a counter."""
+    a fixed share of the queries instead of the next from a counter; where 0166 is, the
+    counter filled with zero before each call (a fill kernel just ahead of the forward) instead
+    of one the kernel leaves zero."""
     ways = [("native_fwd_beside_gemm", {field: True}),
             ("native_fwd_cta_beside_gemm", {field: False})]
     if field == "fwd_ws64_persistent":
         ways.append(("native_fwd_2waves_beside_gemm", {field: 2}))
         if has_dynamic:
             ways.append(("native_fwd_fixed_beside_gemm", {field: True, "fwd_ws64_dynamic": False}))
+        if has_dynamic and has_counter_reset:
+            ways.append(("native_fwd_fill_beside_gemm",
+                         {field: True, "fwd_ws64_counter_reset": False}))
     return ways
 
 
 def beside_gemm_pairs(ways, field, rows=None):
     """Each persistent way of beside_gemm_ways() timed in turns with a CTA a query, as (pair row
     name, its options): native_fwd_vs_cta_beside_gemm (the defaults), and only where rows (the
-    --rows names) names them, since each takes 40 s or so, native_fwd_2waves_vs_cta_beside_gemm
-    and native_fwd_fixed_vs_cta_beside_gemm."""
+    --rows names) names them, since each takes 40 s or so, native_fwd_2waves_vs_cta_beside_gemm,
+    native_fwd_fixed_vs_cta_beside_gemm and native_fwd_fill_vs_cta_beside_gemm."""
     pairs = [(name.replace("_beside_gemm", "_vs_cta_beside_gemm"), way)
              for name, way in ways if way[field] is not False]
     return [(name, way) for name, way in pairs
@@ -785,7 +793,8 @@ def run(args):
             field = {16: "fwd_ws_persistent", 32: "fwd_ws64_persistent",
                      64: "fwd_ws64_persistent"}.get(heads)
             if field and L == 32768 and has_native_option(field):
-                ways = beside_gemm_ways(field, has_native_option("fwd_ws64_dynamic"))
+                ways = beside_gemm_ways(field, has_native_option("fwd_ws64_dynamic"),
+                                        has_native_option("fwd_ws64_counter_reset"))
                 for name, way in ways:
                     add(name, 512, 2051, fwd_bwd(
                         hook_fn(heads, "native"), q512, k512, idx, True, beside=gemm_beside,

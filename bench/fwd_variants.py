@@ -15,8 +15,9 @@ ws64 (32 and 64 heads: 0112's 64-row tiles as the series builds them; the others
 off; the series' options one at a time off: ws64_frag the output stored from the accumulator
 fragment, 4 bytes a thread (0154 off), ws64_cta a CTA a query (0160), ws64_exp2f / ws_exp2f exp2f
 (0161), ws64_gmask -1 entries masked from global memory before the score GEMMs (0162), ws64_fixed
-fixed shares of the queries (0163), ws64_qstage the output staged in the Q buffer (0164);
-ws64_plain all of 0160-0164 off), flashmla. Writes
+fixed shares of the queries (0163), ws64_qstage the output staged in the Q buffer (0164),
+ws64_fill a new counter filled with zero before each call (0166); ws64_plain all of 0160-0164
+off), flashmla. Writes
 DIR/fwd-variants.jsonl, one row per (seqlen, heads, variant), as they finish. --rounds N times
 every variant N times, interleaved, for differences near the run-to-run noise (rows carry "round").
 """
@@ -60,6 +61,7 @@ VARIANTS = {
     "ws64_gmask": (False, {}),  # 0162: -1 entries masked from global memory, before the GEMMs
     "ws64_fixed": (False, {}),  # 0163: fixed shares of the queries instead of a counter
     "ws64_qstage": (False, {}),  # 0164: the output staged in the Q buffer (0154's)
+    "ws64_fill": (False, {}),  # 0166: a new counter filled before each call, not one kept
     "ws64_plain": (False, {}),
 }
 THREE_BUFFERS = tuple(v for v in VARIANTS if v.startswith("ws3"))  # 16 heads only
@@ -69,6 +71,7 @@ _NO_FAST_EXP2 = ("fast_exp2", "0161", False)
 _NO_SHARED_MASK = ("fwd_ws64_shared_mask", "0162", False)
 _NO_DYNAMIC = ("fwd_ws64_dynamic", "0163", False)
 _NO_STAGE_OUT = ("fwd_ws64_stage_out", "0164", False)
+_NO_COUNTER_RESET = ("fwd_ws64_counter_reset", "0166", False)
 SERIES_OPTIONS = {
     "ws64_frag": (("fwd_ws64_smem_store", "0154", False),),
     "ws64_cta": (_NO_PERSIST,),
@@ -77,6 +80,7 @@ SERIES_OPTIONS = {
     "ws64_gmask": (_NO_SHARED_MASK,),
     "ws64_fixed": (_NO_DYNAMIC,),
     "ws64_qstage": (_NO_STAGE_OUT,),
+    "ws64_fill": (_NO_COUNTER_RESET,),
     "ws64_plain": (_NO_PERSIST, _NO_FAST_EXP2, _NO_SHARED_MASK, _NO_DYNAMIC, _NO_STAGE_OUT),
 }
 

@@ -134,6 +134,8 @@ FEATURES = {
              lambda: _has_option("fwd_ws64_shared_mask")),
     "0163": ("NativeKernelOptions.fwd_ws64_dynamic", lambda: _has_option("fwd_ws64_dynamic")),
     "0164": ("NativeKernelOptions.fwd_ws64_stage_out", lambda: _has_option("fwd_ws64_stage_out")),
+    "0166": ("NativeKernelOptions.fwd_ws64_counter_reset",
+             lambda: _has_option("fwd_ws64_counter_reset")),
 }
 
 
@@ -163,7 +165,7 @@ def fwd_ws64_route_kwargs(sms=132):
     if has("0160"):  # persistent, one CTA an SM
         kwargs.update(ctas=sms)
     for number, arg in (("0161", "fast_exp2"), ("0162", "shared_mask"), ("0163", "dynamic"),
-                        ("0164", "stage_out")):
+                        ("0164", "stage_out"), ("0166", "counter_reset")):
         if has(number):
             kwargs[arg] = True
     return kwargs

@@ -542,6 +542,13 @@ def test_beside_gemm_pairs_time_each_persistent_form_against_a_cta_a_query():
     for rows in (None, [], ["native_fwd_vs_cta_beside_gemm", "native_fwd"]):
         assert bench.beside_gemm_pairs(ways, field, rows) == pairs[:1]
     assert bench.beside_gemm_pairs(ways, field, extra[1:]) == pairs[:1] + pairs[2:]
+    # 0166: the filled counter's pair, where the option is in the tree and --rows names it
+    fill = ("native_fwd_fill_vs_cta_beside_gemm", {field: True, "fwd_ws64_counter_reset": False})
+    ways166 = bench.beside_gemm_ways(field, True, has_counter_reset=True)
+    assert bench.beside_gemm_pairs(ways166, field, extra + [fill[0]]) == pairs + [fill]
+    assert bench.beside_gemm_pairs(ways166, field, extra) == pairs
+    assert bench.beside_gemm_ways(field, False, has_counter_reset=True) == bench.beside_gemm_ways(
+        field, False)
     # 16 heads: 0070's persistent form against its CTA a query, nothing else
     assert bench.beside_gemm_pairs(bench.beside_gemm_ways("fwd_ws_persistent", True),
                                    "fwd_ws_persistent", extra) == [

@@ -490,7 +490,8 @@ _WS64_BUILDS = {
     "fwd_ws64": lambda sm90: _ws64_fwd_sm90a(sm90, 64, **fwd_ws64_route_kwargs()),
     "fwd_ws64_h32": lambda sm90: _ws64_fwd_sm90a(sm90, 32, **fwd_ws64_route_kwargs()),
     "fwd_ws64_cta": lambda sm90: _ws64_fwd_sm90a(sm90, 64, **{
-        **fwd_ws64_route_kwargs(), "ctas": 0, "dynamic": False, "stage_out": False}),
+        **fwd_ws64_route_kwargs(), "ctas": 0, "dynamic": False, "stage_out": False,
+        "counter_reset": False}),
     "bwd_ws64": lambda sm90: _bwd_ws64_route_sm90a(sm90, 64),
     "bwd_ws64_h8": lambda sm90: _bwd_ws64_route_sm90a(sm90, 8),
 }
@@ -597,6 +598,44 @@ def test_fwd_native_ws64_dynamic_compiles_for_sm90a(sm90, heads):
     assert set(re.findall(r"__sync_thread_partial\((\d+), 128\)", producer)) <= {"5"}
     assert 0 <= _only_smem(smem) - _only_smem(fixed_smem) <= 16
     assert _only_smem(smem) <= SM90_MAX_DYN_SMEM
+
+
+@needs_tilelang
+@needs_nvcc
+@needs("0166")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_fwd_native_ws64_counter_reset_compiles_for_sm90a(sm90, heads):
+    """0166: with the route's options the kernel differs from 0163's only in the producer's
+    thread 0: it keeps the add's value and, where that is the call's last (nq - 1), stores 0 to
+    the counter, after the add and before handing the query over. The same registers' budget
+    and shared memory."""
+    route = dict(fwd_ws64_route_kwargs(), ctas=132, dynamic=True, counter_reset=True)
+    src, smem, _ = _ws64_fwd_sm90a(sm90, heads, **route)
+    _, smem_0163, _ = _ws64_fwd_sm90a(sm90, heads, **dict(route, counter_reset=False))
+    _check_setmaxnreg_budget(src)
+    wg0, wg1, producer = _split_ws64_fwd(src)
+    assert src.count("atomicAdd(") == 1 and "atomicAdd(" in producer
+    add = producer.index("atomicAdd(")
+    last = r"if \(took\[0\] == \(\(batch \* seq_len\) - 1\)\) \{\s*Next\[0\] = 0;"
+    reset = re.search(last, producer)
+    assert reset and add < reset.start() < producer.index("bar_qn[0].arrive()", add)
+    assert src.count("Next[0] = 0;") == 1
+    assert _only_smem(smem) == _only_smem(smem_0163)
+    assert " 0 bytes spill stores, 0 bytes spill loads" in _ptxas_report(src)
+
+
+@needs_tilelang
+@needs("0166")
+def test_fwd_native_ws64_counter_reset_needs_two_ctas():
+    """0166: with one CTA the loop's nq turns leave no room for its add past the last query, and
+    the counter would be left at nq - 1 (the next call would skip queries): the builder refuses
+    it, and counter_reset without 0163's counter."""
+    args = (64, D_V, _round_up(2051, 2 * BLOCK_I), None)
+    kw = dict(block_I=BLOCK_I, runtime_scale=True, dynamic=True, counter_reset=True)
+    with pytest.raises(AssertionError, match="two CTAs or more"):
+        fwd_mod.sparse_mla_fwd_nope_ws64.compile(*args, ctas=1, **kw)
+    with pytest.raises(AssertionError, match="two CTAs or more"):
+        fwd_mod.sparse_mla_fwd_nope_ws64.compile(*args, ctas=132, **dict(kw, dynamic=False))
 
 
 @needs_tilelang

@@ -153,10 +153,14 @@ class KernelFakes:
                      smem_store=True, ctas=0, **drafts):
         # smem_store: 0154's output store through the Q buffer (the same result); ctas: 0160's
         # persistent form (0: a CTA a query); drafts: 0161's fast_exp2, 0162's shared_mask, 0163's
-        # dynamic and 0164's stage_out (passed only when on, as they are by default)
-        assert set(drafts) <= {"fast_exp2", "shared_mask", "dynamic", "stage_out"}, drafts
-        # (the builder's own assertion: 0164's buffers only for the persistent form with 0154's store)
+        # dynamic, 0164's stage_out and 0166's counter_reset (passed only when on, as they are by
+        # default)
+        assert set(drafts) <= {"fast_exp2", "shared_mask", "dynamic", "stage_out",
+                               "counter_reset"}, drafts
+        # (the builder's own assertions: 0164's buffers only for the persistent form with 0154's
+        # store; 0166's only with 0163's counter)
         assert not drafts.get("stage_out") or (ctas and smem_store), (ctas, smem_store)
+        assert not drafts.get("counter_reset") or drafts.get("dynamic"), drafts
         kernel = self.get_fwd(heads, dim, 0, topk, 1, sm_scale, block_I, None, 384,
                               topk_dynamic=True, runtime_scale=runtime_scale)
         self.builds[-1].update(kind="fwd_ws64", smem_store=smem_store, ctas=ctas, **drafts)
@@ -748,14 +752,36 @@ def test_native_fwd_ws64_persistent_switch(fakes, monkeypatch, heads, persist, d
 
 
 @needs_tilelang
+@needs("0166")
+@pytest.mark.parametrize("dynamic", [True, False])
+@pytest.mark.parametrize("reset", [True, False])
+def test_native_fwd_ws64_counter_reset_switch(fakes, monkeypatch, reset, dynamic):
+    """0166: NativeKernelOptions.fwd_ws64_counter_reset (on by default) builds the persistent
+    forward whose kernel leaves the query counter zero; off, 0163's kernel. Without 0163's
+    counter (fwd_ws64_dynamic off) it changes nothing. The call passes a zero counter either way
+    (here on the CPU a new one each call: the kept one is a CUDA stream's, which
+    tests/gpu/test_sparse_mla_gpu.py checks)."""
+    _fake_sm_count(monkeypatch, 7)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, 64, 256, 512)
+    with options(fwd_ws64=True, fwd_ws64_dynamic=dynamic, fwd_ws64_counter_reset=reset):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    (build,) = [b for b in fakes.builds if b["kind"].startswith("fwd")]
+    assert build.get("counter_reset", False) == (reset and dynamic)
+    assert build.get("counters", 0) == int(dynamic)
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+
+
+@needs_tilelang
 @needs("0160")
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("smem_store", [True, False])
 def test_native_fwd_ws64_route_defaults(fakes, monkeypatch, heads, smem_store):
-    """0160-0164 on by default: the route builds 0112's forward persistent on the device's SMs
-    with fast_exp2, the shared mask, the query counter and 0164's output buffers (what the
-    codegen tests build as the route's kernel, fwd_ws64_route_kwargs). With 0154's store off,
-    0164's buffers are not asked for (the builder takes them only with it)."""
+    """0160-0164 and 0166 on by default: the route builds 0112's forward persistent on the
+    device's SMs with fast_exp2, the shared mask, the query counter (0166: left zero by the
+    kernel) and 0164's output buffers (what the codegen tests build as the route's kernel,
+    fwd_ws64_route_kwargs). With 0154's store off, 0164's buffers are not asked for (the
+    builder takes them only with it)."""
     _fake_sm_count(monkeypatch, 7)
     topk, scale = 131, 512 ** -0.5
     query, key, idx = _inputs(512, topk, heads, 256, 512)

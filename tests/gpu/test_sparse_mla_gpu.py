@@ -444,6 +444,49 @@ def test_native_fwd_ws64_option_keeps_the_default_bitwise(monkeypatch, heads, to
     forward_option_is_the_default_bitwise(heads, topk, heads + topk + 3, 7, **option)
 
 
+# 0166 (issue #18): the persistent 64-row forward's query counter is kept a stream and the
+# kernel leaves it zero (no fill kernel before each call).
+# Calls of different query counts in a row (two sequences of 300, bucketed to 384; then 100,
+# bucketed to 128, fewer queries than CTAs; then the first again), each bitwise equal to a
+# counter filled at the call (the option off), the counter zero after each; on a second stream
+# a counter of its own.
+@needs("0166")
+@pytest.mark.parametrize("heads", [32, 64])
+def test_native_fwd_ws64_counter_reset_leaves_the_counter_zero(monkeypatch, heads):
+    from native_kernels import fwd_mod
+
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    g = torch.Generator().manual_seed(heads + 66)
+    calls = []
+    for sq, batch in ((300, 2), (100, 1), (300, 2)):
+        q = torch.randn(sq, batch, heads, 512, generator=g).to(DEV, torch.bfloat16)
+        k = torch.randn(sq, batch, 1, 512, generator=g).to(DEV, torch.bfloat16)
+        idx = torch.stack([causal_random_indices(sq, sq, 2051, g) for _ in range(batch)]).to(DEV)
+        calls.append((q, k, idx))
+
+    def forward(q, k, idx, **options):
+        with override_native_kernel_options(fwd_ws64_persistent=True, **options, **phase_off()):
+            with torch.no_grad():
+                out = tilelang_dsa.fused_sparse_mla_absorbed(q, k, idx, SCALE, 512)
+        assert out is not None, "fused path declined"
+        return out
+
+    def counter():
+        stream = torch.cuda.current_stream()
+        return fwd_mod._ws64_query_counters[(stream.device, stream.cuda_stream)]
+
+    monkeypatch.setenv("MCORE_DSA_TILELANG_SEQ_BUCKET", "128")
+    want = [forward(*c, fwd_ws64_counter_reset=False) for c in calls]
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            for c, w in zip(calls, want):
+                got = forward(*c, fwd_ws64_counter_reset=True)
+                torch.cuda.synchronize()
+                assert torch.equal(got, w), f"out differs from the filled counter's ({tuple(c[0].shape)})"
+                assert counter().item() == 0, "the kernel left the counter non-zero"
+    assert len({id(t) for t in fwd_mod._ws64_query_counters.values()}) >= 2
+
+
 # wip/0132 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's WG1 runs
 # its dQ GEMM under the block's first dKV GEMMs and frees the KV buffer after it, with no proxy
 # fence of its own. Each WG0 chunk split (0, 2 and 3: 3 gives WG1 an odd first chunk, done on its
