@@ -42,7 +42,9 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   _hi_ef_ph<t> (0121: a CTA's first key block from the global timer, --block-phase-ns;
   --unsorted shuffles each query's indices) and _hi_ef_ph<t>_rp (0133: the dKV adds by lane
   pairs, the route's kernel in .25 and .26) and native_ws64_s2_w1_hi_ef_pq132_rp (0141/0142: WG0
-  one chunk, the query's phase for 132 SMs: the route's kernel since .27); with wip/0137
+  one chunk, the query's phase for 132 SMs: the route's kernel since .27), with wip/0167 its
+  _dqst / _dqef / _dqstef (dQ staged in the dead KV buffer and stored in whole rows / stored
+  with an L2 evict_first policy / both); with wip/0137
   _hi_ef_ph<t>_rp_el24/_el32/_el40 (the pairs' adds with an L2 cache policy, evict_last for the
   accumulator's first that many MiB);
   with 0134 (the route's since .26) or 0150 also at 16 heads (the ws64 kernel as 64 rows);
@@ -147,6 +149,12 @@ def chunk_variants(heads):
             v["native_ws64_s2_w1_hi_ef_pq132_rp"] = dict(
                 v["native_ws64_s2_w2_hi_ef"], wg0_dkv_chunks=1, block_phase_queries=132,
                 row_pairs=True)
+            if "dq_staged" in ws64:  # wip/0167: dQ staged in the KV buffer / stored evict_first
+                route = v["native_ws64_s2_w1_hi_ef_pq132_rp"]
+                v["native_ws64_s2_w1_hi_ef_pq132_rp_dqst"] = dict(route, dq_staged=True)
+                v["native_ws64_s2_w1_hi_ef_pq132_rp_dqef"] = dict(route, dq_evict_first=True)
+                v["native_ws64_s2_w1_hi_ef_pq132_rp_dqstef"] = dict(
+                    route, dq_staged=True, dq_evict_first=True)
         if "l2_hint" in ws64:  # wip/0119-l2-hints: L2 eviction hints on 0115's default kernel
             for tag, mode in L2_HINTS.items():
                 v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)

@@ -969,6 +969,61 @@ def test_bwd_native_ws64_dkv_evict_last_changes_only_the_add(sm90):
                                         wg0_dkv_chunks=2, hoist_indices=True, **bad)
 
 
+_DQ_FRAGMENT_STORE = re.compile(r"\*\(uint1\*\)\(dQ \+")
+_DQ_STAGED_STORE = re.compile(r"glm_st_dq16\(\(&\(dQ\[")
+
+
+def _dq_tails(src):
+    """wip/0167's staged dQ stores: each warpgroup's tail from its last async-proxy fence to its
+    glm_st_dq16 call, in source order (WG0's, WG1's)."""
+    calls = [m.start() for m in _DQ_STAGED_STORE.finditer(src)]
+    return [(src.rindex("fence_proxy_async", 0, at), at) for at in calls]
+
+
+def _ordering_without_dq_tails(src):
+    for start, end in reversed(_dq_tails(src)):
+        src = src[:start] + src[end:]
+    return _ORDERING.findall(src)
+
+
+@needs_tilelang
+@needs_nvcc
+@needs_draft("wip/0167", "bwd_ws64_dq_staged")
+def test_bwd_native_ws64_dq_store(sm90):
+    """wip/0167: with dq_staged each warpgroup's tail fences the async proxy, writes its half of
+    dQ into its half of the KV buffer's columns, syncs its own warpgroup only (a 128-thread named
+    barrier: a CTA-wide one in one warpgroup's branch would hang) and stores 16 bytes a thread
+    with glm_st_dq16, 16 rows a thread; no 4-byte dQ store is left. With dq_evict_first the
+    fragment's stores go through glm_st_dq2, whose st.global carries an L2 evict_first policy
+    from createpolicy; with both, the staged stores carry it. The barrier sequence outside the
+    tails is the route's; no spills."""
+    off = _route_bwd_ws64(sm90)
+    st = _route_bwd_ws64(sm90, " dqst", dq_staged=True)
+    ef = _route_bwd_ws64(sm90, " dqef", dq_evict_first=True)
+    both = _route_bwd_ws64(sm90, " dqstef", dq_staged=True, dq_evict_first=True)
+    assert len(_DQ_FRAGMENT_STORE.findall(off)) == 2 and "glm_st_dq" not in off
+    for src in (st, both):
+        assert not _DQ_FRAGMENT_STORE.search(src) and "glm_st_dq2((" not in src
+        tails = _dq_tails(src)
+        assert len(tails) == 2
+        for (start, end), bar in zip(tails, ("3", "4")):
+            tail = src[start:end]
+            assert "__syncthreads" not in tail and f"__sync_thread_partial({bar}, 128)" in tail
+            assert "KV_shared) +" in tail, tail[:600]  # the bf16 half written into the buffer
+            assert re.search(r"for \(int r_\d+ = 0; r_\d+ < 16; \+\+r_\d+\) \{\s*$", tail)
+    assert not _DQ_FRAGMENT_STORE.search(ef) and ef.count("glm_st_dq2((&(dQ[") == 2
+    assert not _DQ_STAGED_STORE.search(ef)
+    hint, policy = "st.global.L2::cache_hint", "createpolicy.fractional.L2::evict_first.b64"
+    assert f"{hint}.b32" in ef and f"{hint}.v4.b32" in both and hint not in st
+    # (0120's evict_first loads make the same policy in their own helper)
+    assert ef.count(policy) == both.count(policy) == st.count(policy) + 1 == off.count(policy) + 1
+    for src in (st, ef, both):
+        assert _ordering_without_dq_tails(src) == _ORDERING.findall(off)
+        report = _ptxas_report(src)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+        assert spills and all(a == b == "0" for a, b in spills), spills
+
+
 @needs_tilelang
 @needs_nvcc
 @needs("0142")

@@ -569,6 +569,28 @@ def test_native_backward_dkv_evict_last_matches_fp32_reference(monkeypatch, head
                                            bwd_dkv_evict_last_mib=mib)
 
 
+# wip/0167 (issue #17), in runs that apply it with WIP_PATCHES: the 64-row backward's dQ staged in
+# the dead KV buffer and stored in whole rows, and/or stored with an L2 evict_first policy. dQ is
+# rounded as before: out and dq bitwise the fragment stores' (the 32 heads of a 64-row tile and 8
+# heads: the rows past H not stored), dk within the fp32 adds' order; and against the FP32
+# reference at 64 heads.
+@needs_draft("wip/0167", "bwd_ws64_dq_staged")
+@pytest.mark.parametrize("heads", [8, 16, 32, 64])
+@pytest.mark.parametrize("staged,evict_first", [(True, False), (False, True), (True, True)])
+def test_native_backward_dq_store_keeps_dq_bitwise(monkeypatch, heads, staged, evict_first):
+    monkeypatch.setenv("MCORE_DSA_TILELANG_NOPE", "native")
+    q, k, do, idx = make(1024, heads, 512, 2051, seed=heads + 67)
+    on, off = with_and_without(q, k, idx, do, bwd_ws64_dq_staged=staged,
+                               bwd_ws64_dq_evict_first=evict_first)
+    assert torch.equal(on[0], off[0]), "out differs"
+    assert torch.equal(on[1], off[1]), "dq differs from the fragment stores'"
+    assert rel_l2(on[2], off[2]) < 1e-4, "dk differs beyond the adds' order"
+    if heads == 64 and staged:
+        native_backward_matches_fp32_reference(monkeypatch, heads, 2051, heads + 2051 + 61, 3,
+                                               bwd_ws64_dq_staged=True,
+                                               bwd_ws64_dq_evict_first=evict_first)
+
+
 # 0142 (issues #17, #21): the 64-row backward's first key block given by the query (the default),
 # over shuffled indices (the route sorts them), against the FP32 reference at 16 and 64 heads;
 # out and dq bitwise equal over repeated calls (the blocks' order no longer follows the timer;
