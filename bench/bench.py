@@ -30,9 +30,11 @@ Paths (q/k width, top-k width), all batch 1, one KV head, bf16, causal GLM-5.3-F
                 bitwise_fresh_process (the row again in a new process, the same hash); with
                 wip/0138 also native_deterministic_sorted (bwd_deterministic_sort)
   native_deterministic_int64, native_deterministic_int32x2, native_deterministic_fp32,
-  native_deterministic_fp32g4 512/2051  the same with bwd_deterministic_form (0150's one scale;
+  native_deterministic_fp32g4, with wip/0168 native_deterministic_int32x2r4 / _int32x2r2
+                512/2051  the same with bwd_deterministic_form (0150's one scale;
                 0151's scale for each key; _fp32: 0151's power-of-two scales, without 0152's
-                fine ones; g4: bwd_deterministic_key_groups=4); on the 64-row backward only
+                fine ones; g4: bwd_deterministic_key_groups=4; r4/r2:
+                bwd_deterministic_lane_rows); on the 64-row backward only
                 (other head counts, e.g. 128, keep 0150's int64 form whatever the row's name); with wip/0138
                 each also as _sorted (bwd_deterministic_sort: the indices sorted by key)
   native_dkv_whole 512/2051  the same with NativeKernelOptions(bwd_dkv_chunks=False) (without 0105:
@@ -719,6 +721,9 @@ def run(args):
                     "_int32x2": dict(bwd_deterministic_form="int32x2"),
                     "_fp32": dict(bwd_deterministic_form="fp32", **coarse),
                     "_fp32g4": dict(bwd_deterministic_form="fp32", bwd_deterministic_key_groups=4)})
+            if has_native_option("bwd_deterministic_lane_rows"):  # wip/0168: rows traded
+                forms.update({f"_int32x2r{n}": dict(bwd_deterministic_form="int32x2",
+                                                    bwd_deterministic_lane_rows=n) for n in (4, 2)})
             sorts = {"": {}}
             if has_native_option("bwd_deterministic_sort"):
                 sorts["_sorted"] = dict(bwd_deterministic_sort=True)

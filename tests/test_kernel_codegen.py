@@ -1024,6 +1024,107 @@ def test_bwd_native_ws64_dq_store(sm90):
         assert spills and all(a == b == "0" for a, b in spills), spills
 
 
+def _lane_rows_model(levels):
+    """glm_add_lane_rows (wip/0168) for one warp's row half, line by line in Python: lane L holds
+    row L // 4's packed columns L % 4 + 4j (j = 0 .. 7); returns the warp's adds in issue order,
+    each {lane: (row, column, value)}, value = the (row, column) it came from."""
+    lanes = range(32)
+    row = {L: L // 4 for L in lanes}
+    w = {L: [(row[L], L % 4 + 4 * j) for j in range(8)] for L in lanes}
+    hi, hi2, q = ({L: (L >> 4) & 1 for L in lanes}, {L: (L >> 3) & 1 for L in lanes},
+                  {L: L % 4 for L in lanes})
+    shfl = lambda x, m: {L: x[L ^ m] for L in lanes}
+    other = shfl(row, 16)
+    ra = {L: other[L] if hi[L] else row[L] for L in lanes}
+    rb = {L: row[L] if hi[L] else other[L] for L in lanes}
+    a, b = {L: [] for L in lanes}, {L: [] for L in lanes}
+    for m in range(4):
+        got = shfl({L: w[L][2 * m] if hi[L] else w[L][2 * m + 1] for L in lanes}, 16)
+        for L in lanes:
+            a[L].append(got[L] if hi[L] else w[L][2 * m])
+            b[L].append(w[L][2 * m + 1] if hi[L] else got[L])
+    adds = []
+    if levels == 1:
+        for m in range(4):
+            adds.append({L: (ra[L], q[L] + 8 * m + 4 * hi[L], a[L][m]) for L in lanes})
+            adds.append({L: (rb[L], q[L] + 8 * m + 4 * hi[L], b[L][m]) for L in lanes})
+        return adds
+    ra2, rb2 = shfl(ra, 8), shfl(rb, 8)
+    for n in range(2):
+        ga = shfl({L: a[L][2 * n] if hi2[L] else a[L][2 * n + 1] for L in lanes}, 8)
+        gb = shfl({L: b[L][2 * n] if hi2[L] else b[L][2 * n + 1] for L in lanes}, 8)
+        col = {L: q[L] + 16 * n + 8 * hi2[L] + 4 * hi[L] for L in lanes}
+        adds.append({L: (ra2[L] if hi2[L] else ra[L], col[L], ga[L] if hi2[L] else a[L][2 * n])
+                     for L in lanes})
+        adds.append({L: (ra[L] if hi2[L] else ra2[L], col[L], a[L][2 * n + 1] if hi2[L] else ga[L])
+                     for L in lanes})
+        adds.append({L: (rb2[L] if hi2[L] else rb[L], col[L], gb[L] if hi2[L] else b[L][2 * n])
+                     for L in lanes})
+        adds.append({L: (rb[L] if hi2[L] else rb2[L], col[L], b[L][2 * n + 1] if hi2[L] else gb[L])
+                     for L in lanes})
+    return adds
+
+
+@needs_draft("wip/0168", "bwd_deterministic_lane_rows")
+@pytest.mark.parametrize("levels,rows", [(1, 4), (2, 2)])
+def test_int32x2_lane_rows_exchange(levels, rows):
+    """wip/0168's exchange (modelled): each of the warp's 8 rows x 32 packed columns is added
+    once, with its own value, and each add covers `rows` rows, each in one run of 32 / rows
+    adjacent columns aligned to it (4 x 64 B or 2 x 128 B of the int64 accumulator). And
+    _lane_column keeps each lane's columns (8j + 2q + e) as its 16 adjacent floats 16q + 2j + e."""
+    seen = set()
+    for add in _lane_rows_model(levels):
+        for r, c, v in add.values():
+            assert v == (r, c) and (r, c) not in seen
+            seen.add((r, c))
+        by_row = {}
+        for r, c, _ in add.values():
+            by_row.setdefault(r, []).append(c)
+        assert len(by_row) == rows
+        for cols in by_row.values():
+            width = 32 // rows
+            assert sorted(cols) == list(range(min(cols), min(cols) + width)) and min(cols) % width == 0
+    assert len(seen) == 8 * 32
+    lane = bwd_mod._lane_column
+    assert sorted(lane(d) for d in range(64)) == list(range(64))
+    for d in range(64):
+        j, q, e = d // 8, (d % 8) // 2, d % 2
+        assert lane(d) == 16 * q + 2 * j + e
+
+
+@needs_tilelang
+@needs_nvcc
+@needs_draft("wip/0168", "bwd_deterministic_lane_rows")
+def test_bwd_native_ws64_int32x2_lane_rows(sm90):
+    """wip/0168: the int32x2 second pass as the route builds it at 64 heads with lane_rows 4 and 2
+    adds every chunk through glm_add_lane_rows<1> / <2> (the row exchange), twice a thread (its
+    two row halves), from the _lane_column copy; no glm_add_lanes call is left; the barrier
+    sequence is the 8-row build's; no spills. lane_rows is the int32x2 form's only."""
+    det = dict(dkv_key_fixed="int32x2")
+    eight = _route_bwd_ws64(sm90, " det int32x2", **det)
+    assert "glm_add_lane_rows" not in eight
+    for rows, level in ((4, 1), (2, 2)):
+        src = _route_bwd_ws64(sm90, f" det int32x2 lanes{rows}", lane_rows=rows, **det)
+        calls = re.findall(rf"glm_add_lane_rows<{level}>\(\(&\(dKV\[[^;]*, 256, (rows(?:_0)?)"
+                           r"\[\((i_\d+) >> 4\)\], (ks(?:_0)?)\[\(\2 >> 4\)\], "
+                           r"\(\(\(\(int\)threadIdx.x\) & 31\) >> 4\), "
+                           r"\(\(\(\(int\)threadIdx.x\) & 15\) >> 3\), \(&\(acc_lines(?:_0)?\[\2\]\)\)\);",
+                           src)
+        assert len(calls) >= 2 and len(calls) == src.count(f"glm_add_lane_rows<{level}>((")
+        for _, i_reg, _ in calls:
+            assert f"if (({i_reg} % 16) == 0)" in src
+        assert "glm_add_lanes(" not in src.split("glm_add_lane_rows(void")[-1]
+        assert _ORDERING.findall(src) == _ORDERING.findall(eight)
+        report = _ptxas_report(src)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+        assert spills and all(st == ld == "0" for st, ld in spills), spills
+    topk = _round_up(2051, BWD_BLOCK)
+    for bad in (dict(lane_rows=4), dict(lane_rows=3, dkv_key_fixed="int32x2"),
+                dict(lane_rows=2, dkv_key_fixed="fp32")):
+        with pytest.raises(AssertionError):
+            bwd_mod.sparse_mla_bwd_ws64(64, D_V, topk, runtime_scale=True, hoist_indices=True, **bad)
+
+
 @needs_tilelang
 @needs_nvcc
 @needs("0142")

@@ -591,6 +591,26 @@ def test_native_backward_dq_store_keeps_dq_bitwise(monkeypatch, heads, staged, e
                                                bwd_ws64_dq_evict_first=evict_first)
 
 
+# wip/0168 (issue #21), in runs that apply it with WIP_PATCHES: the int32x2 deterministic backward
+# with rows traded between lanes (4 or 2 rows a 64-bit add). Its integer sums are the 8-row adds',
+# so out, dq and dk are bitwise the 8-row form's, and equal over repeated calls; and against the
+# FP32 reference (a padded 8-head tile too).
+@needs_draft("wip/0168", "bwd_deterministic_lane_rows")
+@pytest.mark.parametrize("heads", [8, 16, 32, 64])
+@pytest.mark.parametrize("rows", [4, 2])
+def test_native_deterministic_int32x2_lane_rows(monkeypatch, heads, rows):
+    opts = dict(bwd_deterministic=True, bwd_deterministic_form="int32x2")
+    native_backward_matches_fp32_reference(monkeypatch, heads, 2051, heads + rows + 5, 3,
+                                           bwd_deterministic_lane_rows=rows, **opts)
+    q, k, do, idx = make(1024, heads, 512, 2051, seed=heads + rows + 71)
+    with override_native_kernel_options(**opts):
+        eight = run_fused(q, k, idx, do)
+    with override_native_kernel_options(**opts, bwd_deterministic_lane_rows=rows):
+        traded = run_fused(q, k, idx, do)
+        assert_bitwise(traded, run_fused(q, k, idx, do), "differs between two identical runs")
+    assert_bitwise(traded, eight, "differs from the 8-row adds'")
+
+
 # 0142 (issues #17, #21): the 64-row backward's first key block given by the query (the default),
 # over shuffled indices (the route sorts them), against the FP32 reference at 16 and 64 heads;
 # out and dq bitwise equal over repeated calls (the blocks' order no longer follows the timer;
