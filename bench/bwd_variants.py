@@ -44,7 +44,7 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   pairs, the route's kernel in .25 and .26) and native_ws64_s2_w1_hi_ef_pq132_rp (0141/0142: WG0
   one chunk, the query's phase for 132 SMs: the route's kernel since .27), with wip/0167 its
   _dqst / _dqef / _dqstef (dQ staged in the dead KV buffer and stored in whole rows / stored
-  with an L2 evict_first policy / both); with wip/0137
+  with an L2 evict_first policy / both) and _no_dq_store (timing only: no dQ store); with wip/0137
   _hi_ef_ph<t>_rp_el24/_el32/_el40 (the pairs' adds with an L2 cache policy, evict_last for the
   accumulator's first that many MiB);
   with 0134 (the route's since .26) or 0150 also at 16 heads (the ws64 kernel as 64 rows);
@@ -155,6 +155,9 @@ def chunk_variants(heads):
                 v["native_ws64_s2_w1_hi_ef_pq132_rp_dqef"] = dict(route, dq_evict_first=True)
                 v["native_ws64_s2_w1_hi_ef_pq132_rp_dqstef"] = dict(
                     route, dq_staged=True, dq_evict_first=True)
+                if "probe" in ws64:  # (timing only: dQ not stored at all)
+                    v["native_ws64_s2_w1_hi_ef_pq132_rp_no_dq_store"] = dict(
+                        route, probe="no_dq_store")
         if "l2_hint" in ws64:  # wip/0119-l2-hints: L2 eviction hints on 0115's default kernel
             for tag, mode in L2_HINTS.items():
                 v[f"native_ws64_s2_w2_l2{tag}"] = dict(v["native_ws64_s2_w2"], l2_hint=mode)

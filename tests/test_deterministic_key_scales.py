@@ -203,6 +203,43 @@ class KeyFixedFakes:
         return kernel
 
 
+def _key_fixed_fakes(monkeypatch):
+    """KeyFixedFakes in place of the deterministic route's kernels, on a stand-in 132-SM device."""
+    from test_native_routing import _fake_sm_count
+
+    f = KeyFixedFakes()
+    monkeypatch.setattr(bwd_mod, "_get_bwd_key_bound_kernel", f.get_bound)
+    monkeypatch.setattr(bwd_mod, "_get_bwd_ws64_kernel", f.get_ws64)
+    monkeypatch.setattr(bwd_mod, "_get_postprocess_key_fixed_kernel", f.get_post)
+    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
+    _fake_sm_count(monkeypatch, 132)  # (0142: the CPU inputs stand for a device with 132 SMs)
+    return f
+
+
+def _route_inputs(heads):
+    """The backward's inputs at 256 tokens, top-k 65, indices in score order (as an indexer
+    gives them), outlier rows included (q x10 on one head, dO x10 on a few queries): q, kv, dO,
+    the indices, the scale, the LSE (log2) and delta."""
+    from sparse_ref import causal_random_indices
+    from test_native_routing import _attend, _lse_log2
+
+    g = torch.Generator().manual_seed(heads)
+    s, w, topk = 256, 512, 65
+    q = torch.randn(1, s, heads, w, generator=g)
+    q[:, :, 1] *= 10
+    q = q.bfloat16()
+    kv = torch.randn(1, s, 1, w, generator=g).bfloat16()
+    do = torch.randn(1, s, heads, w, generator=g)
+    do[:, ::37] *= 10
+    do = do.bfloat16()
+    idx = causal_random_indices(s, s, topk, g)
+    idx = idx.gather(-1, torch.rand(idx.shape, generator=g).argsort(-1)).view(1, s, 1, topk)
+    scale = w**-0.5
+    lse = _lse_log2(q, kv, idx, scale)
+    delta = (_attend(q, kv, idx, scale).bfloat16().float() * do.float()).sum(-1)
+    return q, kv, do, idx, scale, lse, delta
+
+
 @pytest.mark.parametrize("form", ["default", "int32x2", "fp32", "fp32/4", pytest.param(
     "fp32+fine", marks=needs("0152"))])
 @pytest.mark.parametrize("heads", [pytest.param(8, marks=needs("0153")), 16, 64])
@@ -223,30 +260,11 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
     block_phase_queries, and both passes the sorted indices; the other cases run with
     bwd_block_phase_queries=0 (the timer's A/B, which the deterministic route leaves off).
     8 heads (0153): the same route, on the 64-row kernel built for 8 heads."""
-    from sparse_ref import causal_random_indices
-    from test_native_routing import _attend, _bwd_from_lse_delta, _fake_sm_count, _lse_log2, options
+    from test_native_routing import _bwd_from_lse_delta, options
 
-    f = KeyFixedFakes()
-    monkeypatch.setattr(bwd_mod, "_get_bwd_key_bound_kernel", f.get_bound)
-    monkeypatch.setattr(bwd_mod, "_get_bwd_ws64_kernel", f.get_ws64)
-    monkeypatch.setattr(bwd_mod, "_get_postprocess_key_fixed_kernel", f.get_post)
-    monkeypatch.delenv("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", raising=False)
-    _fake_sm_count(monkeypatch, 132)  # (0142: the CPU inputs stand for a device with 132 SMs)
-    g = torch.Generator().manual_seed(heads)
-    s, w, topk = 256, 512, 65
-    q = torch.randn(1, s, heads, w, generator=g)
-    q[:, :, 1] *= 10
-    q = q.bfloat16()
-    kv = torch.randn(1, s, 1, w, generator=g).bfloat16()
-    do = torch.randn(1, s, heads, w, generator=g)
-    do[:, ::37] *= 10
-    do = do.bfloat16()
-    idx = causal_random_indices(s, s, topk, g)
-    # in score order, as an indexer gives them (the generator sorts them)
-    idx = idx.gather(-1, torch.rand(idx.shape, generator=g).argsort(-1)).view(1, s, 1, topk)
-    scale = w**-0.5
-    lse = _lse_log2(q, kv, idx, scale)
-    delta = (_attend(q, kv, idx, scale).bfloat16().float() * do.float()).sum(-1)
+    f = _key_fixed_fakes(monkeypatch)
+    q, kv, do, idx, scale, lse, delta = _route_inputs(heads)
+    s = q.size(1)
     default = form == "default"
     form, fine = form.split("+")[0], form.endswith("+fine")
     form, _, groups = form.partition("/")
@@ -280,6 +298,26 @@ def test_key_fixed_route_matches_the_fp32_gradient(monkeypatch, form, heads, sor
     err = ((dk.float() - exact_dk).norm() / exact_dk.norm()).item()
     assert err < 4e-3, f"dk relative L2 {err:.2e}"  # bf16 rounding of P, dS and dk
     assert torch.equal(dq, exact_dq.to(dq.dtype))
+
+
+@pytest.mark.skipif(not _has_option("bwd_deterministic_lane_rows"),
+                    reason="wip/0168 (NativeKernelOptions.bwd_deterministic_lane_rows) is not applied")
+@pytest.mark.parametrize("form,rows,want", [("int32x2", 8, None), ("int32x2", 4, 4),
+                                            ("int32x2", 2, 2), ("fp32", 2, None)])
+def test_lane_rows_reach_the_int32x2_adds_only(monkeypatch, form, rows, want):
+    """wip/0168: bwd_deterministic_lane_rows reaches the second pass's build as lane_rows for the
+    "int32x2" form, and only where it is not 8 (the default: the series' own call); the "fp32"
+    form never gets it. The gradients are the fakes' exact ones either way."""
+    from test_native_routing import _bwd_from_lse_delta, options
+
+    f = _key_fixed_fakes(monkeypatch)
+    q, kv, do, idx, scale, lse, delta = _route_inputs(16)
+    with options(bwd_deterministic=True, bwd_deterministic_form=form,
+                 bwd_deterministic_lane_rows=rows):
+        dq, dk = bwd_mod.sparse_mla_bwd(q, kv, None, do, idx, lse, scale, delta=delta)
+    assert f.form == form and f.levers.get("lane_rows") == want
+    exact_dq, exact_dk = _bwd_from_lse_delta(q, kv, do, idx.sort(-1).values, lse, delta, scale)
+    assert ((dk.float() - exact_dk).norm() / exact_dk.norm()).item() < 4e-3
 
 
 def test_first_pass_keeps_p_and_ds_apart_from_the_kv_buffer():

@@ -215,11 +215,11 @@ class KernelFakes:
         assert H in (32, 64) or 1 <= H <= 16, H
         # 0113's kernel: the scale at each call, dKV added in 0106's line order; 0120's and
         # 0121's levers (hoist_indices, evict_first_loads, block_phase_ns), 0161's
-        # fast_exp2, wip/0132's async_dq, 0133's row_pairs, wip/0137's dkv_evict_last_mib and
-        # 0142's block_phase_queries change no result
+        # fast_exp2, wip/0132's async_dq, 0133's row_pairs, wip/0137's dkv_evict_last_mib,
+        # 0142's block_phase_queries and wip/0167's dq_staged / dq_evict_first change no result
         assert set(levers) <= {"hoist_indices", "evict_first_loads", "block_phase_ns",
                                "fast_exp2", "async_dq", "row_pairs", "dkv_evict_last_mib",
-                               "block_phase_queries"}, levers
+                               "block_phase_queries", "dq_staged", "dq_evict_first"}, levers
         kernel = self.get_bwd(H, D, 0, topk, 1, None, 64, topk_dynamic=True, runtime_scale=True,
                               dkv_lines=True)
         self.builds[-1].update(kind="bwd_ws64", dkv_stages=dkv_stages, wg0_dkv_chunks=wg0_dkv_chunks,
@@ -907,6 +907,24 @@ def test_native_64_row_backward_dkv_evict_last(fakes, heads, mib, pairs, want):
                              bwd_dkv_evict_last_mib=mib)
     assert [b["kind"] for b in built] == ["bwd_ws64"]
     assert built[0].get("dkv_evict_last_mib") == want
+
+
+@needs_tilelang
+@needs_draft("wip/0167", "bwd_ws64_dq_staged")
+@pytest.mark.parametrize("heads", [8, 16, 64])
+@pytest.mark.parametrize("staged,evict_first", [(False, False), (True, False), (False, True),
+                                                (True, True)])
+def test_native_64_row_backward_dq_store(fakes, heads, staged, evict_first):
+    """wip/0167: bwd_ws64_dq_staged and bwd_ws64_dq_evict_first reach the 64-row backward's
+    builder as dq_staged and dq_evict_first, both together, when either is on; with both off
+    (the defaults) the call is the series' own, without them. The gradients through the hook
+    are the reference's."""
+    built = _backward_builds(fakes, heads, bwd_ws64=True, bwd_ws64_dq_staged=staged,
+                             bwd_ws64_dq_evict_first=evict_first)
+    assert [b["kind"] for b in built] == ["bwd_ws64"]
+    on = staged or evict_first
+    assert built[0].get("dq_staged") == (staged if on else None)
+    assert built[0].get("dq_evict_first") == (evict_first if on else None)
 
 
 @needs_tilelang
