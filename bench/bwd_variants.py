@@ -55,6 +55,10 @@ Variants (all top-k 2051 k-pool indices, one KV head, bf16):
   head count has (default native); it runs first whatever its place in the list
 --key-range N: every index taken modulo N (-1 kept), so the dKV rows the kernel adds to (N x 512
   fp32) stay in L2 when N is small: the atomics' cost with and without L2 misses
+--live-heads N: heads N and up with zero q and dO and an infinite LSE (zero P and dS, the values a
+  64-row tile's padded rows have), loaded and stored all the same: run at 64 heads with 32 live,
+  it tells whether the 64-head kernel's time over the 32-head one's is the extra rows' traffic
+  (it stays) or their values (it falls to the 32-head time)
 Writes DIR/bwd-variants.jsonl (one row per variant) and prints it.
 """
 import argparse
@@ -301,6 +305,11 @@ def main():
                     "TILELANG_DEFAULT_TARGET set, e.g. to sm_90a, a CPU host checks a draft builds)")
     ap.add_argument("--key-range", type=int, default=0,
                     help="take every index modulo this (0: as drawn), an L2-capacity probe")
+    ap.add_argument("--live-heads", type=int, default=0,
+                    help="heads from this one on have zero q and dO and an infinite LSE (0: all "
+                    "live): their P and dS are zero, as a 64-row tile's padded rows are, while "
+                    "the kernel still loads and stores them: whether the time a head count adds "
+                    "comes from the rows' traffic or from their values")
     args = ap.parse_args()
     VARIANT_SETS["set"] = args.set
     VARIANT_SETS["only"] = args.only
@@ -350,7 +359,11 @@ def main():
         q = (torch.randn(1, s, heads, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
         kv = (torch.randn(1, s, 1, 512, device=dev, generator=g) * 0.5).to(torch.bfloat16)
         do = (torch.randn(1, s, heads, 512, device=dev, generator=g) * 0.1).to(torch.bfloat16)
+        live = args.live_heads if 0 < args.live_heads < heads else heads
+        q[:, :, live:] = 0
+        do[:, :, live:] = 0
         out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=SCALE)
+        lse[:, :, live:] = float("inf")  # (delta is zero there: dO is)
         delta = bwd_mod.sparse_mla_delta(out, do)
         q576 = torch.nn.functional.pad(q, (0, 64)).contiguous()
         kv576 = torch.nn.functional.pad(kv, (0, 64)).contiguous()
@@ -361,6 +374,8 @@ def main():
             row = dict(name=name, heads=heads, seqlen=s, index_width=TOPK, **cfg)  # cfg topk: the kernel's
             if args.key_range:
                 row["key_range"] = args.key_range
+            if live < heads:
+                row["live_heads"] = live
             if (heads, name, cfg) in unfinished:
                 row["error"] = "compile did not finish in time (skipped)"
                 emit(row)
