@@ -1099,7 +1099,8 @@ def test_bwd_native_ws64_int32x2_lane_rows(sm90):
     """wip/0168: the int32x2 second pass as the route builds it at 64 heads with lane_rows 4 and 2
     adds every chunk through glm_add_lane_rows<1> / <2> (the row exchange), twice a thread (its
     two row halves), from the _lane_column copy; no glm_add_lanes call is left; the barrier
-    sequence is the 8-row build's; no spills. lane_rows is the int32x2 form's only."""
+    sequence is the 8-row build's; no spills. lane_rows is the int32x2 form's only, without the
+    row pairs (whose adds are of floats)."""
     det = dict(dkv_key_fixed="int32x2")
     eight = _route_bwd_ws64(sm90, " det int32x2", **det)
     assert "glm_add_lane_rows" not in eight
@@ -1120,7 +1121,8 @@ def test_bwd_native_ws64_int32x2_lane_rows(sm90):
         assert spills and all(st == ld == "0" for st, ld in spills), spills
     topk = _round_up(2051, BWD_BLOCK)
     for bad in (dict(lane_rows=4), dict(lane_rows=3, dkv_key_fixed="int32x2"),
-                dict(lane_rows=2, dkv_key_fixed="fp32")):
+                dict(lane_rows=2, dkv_key_fixed="fp32"),
+                dict(lane_rows=2, dkv_key_fixed="int32x2", row_pairs=True)):
         with pytest.raises(AssertionError):
             bwd_mod.sparse_mla_bwd_ws64(64, D_V, topk, runtime_scale=True, hoist_indices=True, **bad)
 
