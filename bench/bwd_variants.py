@@ -415,7 +415,9 @@ def main():
                     same = same and torch.equal(dkv, first[1])
                 row["bitwise_repeat"] = same
                 got = (got[0], got[1].double().mul(call_args[1][1].double()).float())
+            row["t_start"] = time.time()  # (to match gpu_run.sh's GPU_SAMPLE_MS samples)
             times = timed(call, args.reps)
+            row["t_end"] = time.time()
             row["bwd_ms"] = statistics.median(times)
             row["bwd_ms_min"] = min(times)
             if name == ref_name:

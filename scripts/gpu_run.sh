@@ -20,6 +20,8 @@ case $passes in
   both | first | whole) ;;
   *) echo "error: GPU_TEST_PASSES=$passes: both, first or whole" >&2; exit 1 ;;
 esac
+[[ -z ${GPU_SAMPLE_MS:-} || $GPU_SAMPLE_MS =~ ^[1-9][0-9]*$ ]] || {
+  echo "error: GPU_SAMPLE_MS=$GPU_SAMPLE_MS: a whole number of ms" >&2; exit 1; }
 py=${PYTHON:-python3}
 site=${INSTALL_SITE:-/tmp/mcore-site}
 # a site this script installed before (a warm machine's second call) is installed afresh: pip
@@ -73,6 +75,17 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FROM_INSTALLED=1 PYTHONUNBUFF
 [ "${PRECOMPILE:-1}" = 0 ] || "$py" bench/precompile.py ${PRECOMPILE_ARGS:-} 2>&1 | tee "$out/precompile.log" || { echo "error: precompile failed" >&2; exit 1; }
 rc=0 summary=""
 failed() { rc=1; summary="$summary [FAILED: $1]"; }
+# GPU_SAMPLE_MS=n: nvidia-smi samples the SM and memory clocks, the power draw and limit and the
+# temperature every n ms into $out/gpu-samples.csv while the jobs run (bwd_variants.py rows carry
+# their start and end times), to tell a row that ran at lower clocks (a power or thermal limit)
+# from one that did more work
+sampler=
+if [ -n "${GPU_SAMPLE_MS:-}" ]; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu \
+    --format=csv,nounits -lms "$GPU_SAMPLE_MS" >"$out/gpu-samples.csv" 2>&1 &
+  sampler=$!
+  trap 'kill "$sampler" 2>/dev/null' EXIT  # (a job that stops the script early too)
+fi
 xdist=$("$py" -c "import xdist" 2>/dev/null && echo yes)  # pytest-xdist, carried in .whl/
 if has variants; then
   timeout "${VARIANTS_TIMEOUT:-300}" "$py" bench/bwd_variants.py --out "$out" ${BWD_ARGS:-} 2>&1 | tee "$out/bwd-variants.log" || failed variants
@@ -177,6 +190,10 @@ fi
 if has bench; then
   "$py" bench/bench.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || failed bench
   summary="$summary; bench: $(wc -l <"$out/h200-bench.jsonl" 2>/dev/null || echo 0) rows in $out"
+fi
+if [ -n "$sampler" ]; then
+  kill "$sampler" 2>/dev/null
+  summary="$summary; gpu samples: $(($(wc -l <"$out/gpu-samples.csv") - 1))"
 fi
 echo "SUMMARY: $summary (exit $rc)"
 exit $rc

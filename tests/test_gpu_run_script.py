@@ -300,3 +300,43 @@ def test_either_pass_failing_fails_the_tests_job(tmp_path, first, second, ok):
     assert (proc.returncode == 0) == ok, proc.stdout[-2000:] + proc.stderr[-2000:]
     if not ok:
         assert "FAILED: tests" in proc.stdout
+
+
+FAKE_SMI = r"""#!/usr/bin/env bash
+# stand-in nvidia-smi: the sampler (-lms) prints a header and samples until it is killed
+[ -z "${SMI_LOG:-}" ] || echo "$*" >>"$SMI_LOG"
+case "$*" in
+  *-lms*) echo "timestamp, clocks.sm [MHz]"; while :; do echo "2026/12/08 00:00:00.000, 1980"; sleep 0.05; done ;;
+esac
+"""
+
+
+def test_gpu_sample_ms_samples_while_the_jobs_run_and_stops(tmp_path):
+    """GPU_SAMPLE_MS: nvidia-smi samples the clocks and power every n ms into gpu-samples.csv
+    while the jobs run, and the sampler is stopped before the script exits (a sampler left
+    running would outlive the call); the summary says how many samples. A value that is not a
+    whole number of ms is refused before anything is installed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    proc = run(tmp_path, "variants", GPU_SAMPLE_MS="50", PATH=path, SMI_LOG=str(tmp_path / "smi"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    calls = (tmp_path / "smi").read_text()
+    assert "-lms 50" in calls and "clocks.sm" in calls and "power.draw" in calls
+    samples = (tmp_path / "out" / "gpu-samples.csv").read_text().splitlines()
+    assert samples[0].startswith("timestamp") and len(samples) >= 2
+    assert "gpu samples: " in proc.stdout.splitlines()[-1]
+    ps = subprocess.run(["pgrep", "-f", str(bin_dir / "nvidia-smi")], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", "the sampler outlived the script"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "early").mkdir()
+    bad = run(tmp_path / "bad", "variants", GPU_SAMPLE_MS="1e3", PATH=path)
+    assert bad.returncode != 0 and "GPU_SAMPLE_MS" in bad.stderr
+    assert not (tmp_path / "bad" / "site").exists()  # (refused before the install)
+    # a job that stops the script early stops the sampler too
+    early = run(tmp_path / "early", "upstream", GPU_SAMPLE_MS="50", PATH=path)
+    assert early.returncode != 0
+    ps = subprocess.run(["pgrep", "-f", str(bin_dir / "nvidia-smi")], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", "the sampler outlived the script"
