@@ -428,7 +428,9 @@ def measure(name, width, heads, seqlen, topk_width, make_call, reps, fwd_only):
         call()
         torch.cuda.synchronize()
         row["first_call_s"] = round(time.perf_counter() - t0, 3)
+        row["t_start"] = time.time()  # (to match gpu_run.sh's GPU_SAMPLE_MS samples)
         times = timed(call, reps)
+        row["t_end"] = time.time()
         row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
         key = "fwd_ms" if fwd_only else "fwd_bwd_ms"
         row[key] = statistics.median(times)
