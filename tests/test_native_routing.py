@@ -893,6 +893,49 @@ def test_native_64_row_backward_query_phase(fakes, heads, queries, ns, want):
     assert torch.equal(call["indices"].view(-1, topk), given.sort(-1).values if want or ns else given)
 
 
+@needs_draft("wip/0169", "bwd_sort_int16")
+def test_sort_rows_narrow_gives_the_same_order():
+    """wip/0169: _sort_rows(narrow=True) sorts each row as int16 and gives the int32 sort's rows
+    (indices below 2^15 with -1 entries among them, in place and not), a row count that is not a
+    multiple of rows_per_pass included."""
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 2**15, (1, 37, 1, 131), generator=g, dtype=torch.int32)
+    idx[0, ::5, 0, ::7] = -1
+    want = bwd_mod._sort_rows(idx.clone(), rows_per_pass=8)
+    got = bwd_mod._sort_rows(idx, rows_per_pass=8, narrow=True)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    inplace = idx.clone()
+    assert torch.equal(bwd_mod._sort_rows(inplace, in_place=True, rows_per_pass=8, narrow=True), want)
+    assert torch.equal(inplace, want)
+
+
+@needs_tilelang
+@needs_draft("wip/0169", "bwd_sort_int16")
+@pytest.mark.parametrize("on,kv_rows,want", [(False, 256, False), (True, 256, True),
+                                             (True, 2**15 + 64, False)])
+def test_native_backward_sorts_as_int16_only_where_asked_and_it_fits(monkeypatch, fakes, on, kv_rows,
+                                                                    want):
+    """wip/0169: the route sorts the indices as int16 (narrow) only with bwd_sort_int16 and a
+    KV of at most 2^15 rows; the kernel gets them sorted either way, and the gradients through
+    the hook are the reference's."""
+    seen = []
+    sort_rows = bwd_mod._sort_rows
+
+    def spy(indices, **kwargs):
+        seen.append(kwargs.get("narrow", False))
+        return sort_rows(indices, **kwargs)
+
+    monkeypatch.setattr(bwd_mod, "_sort_rows", spy)
+    topk, scale = 131, 512 ** -0.5
+    query, key, idx = _inputs(512, topk, 16, 256, kv_rows)  # (the queries are the KV's last)
+    with options(bwd_ws64=True, bwd_sort_int16=on):
+        out, grad, _ = _run_hook(fakes, query, key, idx, scale)
+    _assert_hook_matches_reference(out, grad, query, key, idx, scale)
+    assert seen == [want]
+    (call,) = [c for c in fakes.calls if c["kind"] == "bwd"]
+    assert torch.equal(call["indices"].view(-1, topk), idx.view(-1, topk).sort(-1).values)
+
+
 @needs_tilelang
 @needs_draft("wip/0137", "bwd_dkv_evict_last_mib")
 @pytest.mark.parametrize("heads", [16, 32, 64])
