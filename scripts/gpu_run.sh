@@ -76,9 +76,9 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FROM_INSTALLED=1 PYTHONUNBUFF
 rc=0 summary=""
 failed() { rc=1; summary="$summary [FAILED: $1]"; }
 # GPU_SAMPLE_MS=n: nvidia-smi samples the SM and memory clocks, the power draw and limit and the
-# temperature every n ms into $out/gpu-samples.csv while the jobs run (bwd_variants.py rows carry
-# their start and end times), to tell a row that ran at lower clocks (a power or thermal limit)
-# from one that did more work
+# temperature every n ms into $out/gpu-samples.csv while the jobs run (bwd_variants.py's and
+# bench.py's timed rows carry their start and end times), to tell a row that ran at lower clocks
+# (a power or thermal limit) from one that did more work
 sampler=
 if [ -n "${GPU_SAMPLE_MS:-}" ]; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu \

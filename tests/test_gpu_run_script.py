@@ -321,6 +321,12 @@ def test_gpu_sample_ms_samples_while_the_jobs_run_and_stops(tmp_path):
     (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
     (bin_dir / "nvidia-smi").chmod(0o755)
     path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+    def sampler_left():
+        ps = subprocess.run(["pgrep", "-f", str(bin_dir / "nvidia-smi")], capture_output=True,
+                            text=True)
+        return ps.stdout.strip()
+
     proc = run(tmp_path, "variants", GPU_SAMPLE_MS="50", PATH=path, SMI_LOG=str(tmp_path / "smi"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     calls = (tmp_path / "smi").read_text()
@@ -328,8 +334,7 @@ def test_gpu_sample_ms_samples_while_the_jobs_run_and_stops(tmp_path):
     samples = (tmp_path / "out" / "gpu-samples.csv").read_text().splitlines()
     assert samples[0].startswith("timestamp") and len(samples) >= 2
     assert "gpu samples: " in proc.stdout.splitlines()[-1]
-    ps = subprocess.run(["pgrep", "-f", str(bin_dir / "nvidia-smi")], capture_output=True, text=True)
-    assert ps.stdout.strip() == "", "the sampler outlived the script"
+    assert sampler_left() == "", "the sampler outlived the script"
     (tmp_path / "bad").mkdir()
     (tmp_path / "early").mkdir()
     bad = run(tmp_path / "bad", "variants", GPU_SAMPLE_MS="1e3", PATH=path)
@@ -338,5 +343,4 @@ def test_gpu_sample_ms_samples_while_the_jobs_run_and_stops(tmp_path):
     # a job that stops the script early stops the sampler too
     early = run(tmp_path / "early", "upstream", GPU_SAMPLE_MS="50", PATH=path)
     assert early.returncode != 0
-    ps = subprocess.run(["pgrep", "-f", str(bin_dir / "nvidia-smi")], capture_output=True, text=True)
-    assert ps.stdout.strip() == "", "the sampler outlived the script"
+    assert sampler_left() == "", "the sampler outlived the script"

@@ -478,6 +478,12 @@ def _ptxas_report(src):
         return ptxas_sm90a(src, os.path.join(tmp, "k.cubin"))
 
 
+def _assert_no_spills(report):
+    """ptxas's -v report (_ptxas_report) has a spill line for the kernel, and it spills nothing."""
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(st == ld == "0" for st, ld in spills), spills
+
+
 def _bwd_ws64_route_sm90a(sm90, heads):
     """0113's backward at top-k 2051 as the route builds it (the series' levers at their
     defaults), for sm_90a."""
@@ -514,8 +520,7 @@ def test_ws64_kernels_keep_wgmma_asynchronous(sm90, kind):
     src, _, _ = _WS64_BUILDS[kind](sm90)
     report = _ptxas_report(src)
     assert "C7514" not in report and "serialized" not in report, report[-2000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert spills and all(st == ld == "0" for st, ld in spills), spills
+    _assert_no_spills(report)
 
 
 @needs_tilelang
@@ -1019,9 +1024,7 @@ def test_bwd_native_ws64_dq_store(sm90):
     assert ef.count(policy) == both.count(policy) == st.count(policy) + 1 == off.count(policy) + 1
     for src in (st, ef, both):
         assert _ordering_without_dq_tails(src) == _ORDERING.findall(off)
-        report = _ptxas_report(src)
-        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-        assert spills and all(a == b == "0" for a, b in spills), spills
+        _assert_no_spills(_ptxas_report(src))
 
 
 def _lane_rows_model(levels):
@@ -1116,9 +1119,7 @@ def test_bwd_native_ws64_int32x2_lane_rows(sm90):
             assert f"if (({i_reg} % 16) == 0)" in src
         assert "glm_add_lanes(" not in src.split("glm_add_lane_rows(void")[-1]
         assert _ORDERING.findall(src) == _ORDERING.findall(eight)
-        report = _ptxas_report(src)
-        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-        assert spills and all(st == ld == "0" for st, ld in spills), spills
+        _assert_no_spills(_ptxas_report(src))
     topk = _round_up(2051, BWD_BLOCK)
     for bad in (dict(lane_rows=4), dict(lane_rows=3, dkv_key_fixed="int32x2"),
                 dict(lane_rows=2, dkv_key_fixed="fp32"),
